@@ -1,0 +1,181 @@
+"""Download pinned artifacts (hash-checked) and lay each down as a pristine git checkout."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+import tarfile
+import tempfile
+import urllib.request
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from packaging.utils import parse_wheel_filename
+
+from .errors import CarryError
+from .git import PRISTINE_AUTHOR, Git
+from .pins import PinnedFile, select_file
+from .project import Project, Target
+from .runner import Runner, run_subprocess
+
+IGNORED_IN_CHECKOUT = "__pycache__/\n*.py[co]\n.pytest_cache/\n"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_hash(path: Path, pinned: PinnedFile, what: str) -> None:
+    actual = sha256_of(path)
+    if actual != pinned.sha256:
+        raise CarryError(
+            f"{what} {pinned.filename} has sha256 {actual} but the pin says {pinned.sha256}: "
+            "check the pin in upstream/ or remove the file and fetch again"
+        )
+
+
+def pip_download_args(pinned: PinnedFile, dest: Path, name: str, version: str) -> list[str]:
+    """pip arguments that fetch exactly this wheel, whatever the running interpreter is."""
+    _, _, _, tags = parse_wheel_filename(pinned.filename)
+    tag = sorted(tags, key=str)[0]
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--platform",
+        tag.platform,
+        "--implementation",
+        tag.interpreter[:2],
+        "--python-version",
+        tag.interpreter[2:],
+        "--abi",
+        tag.abi,
+        "--dest",
+        str(dest),
+        f"{name}=={version}",
+    ]
+
+
+def download(project: Project, target: Target, pinned: PinnedFile, runner: Runner) -> Path:
+    """The pinned file in the download cache, fetched if absent; never used unless its hash matches."""
+    cached = project.downloads_dir / pinned.filename
+    if cached.exists():
+        check_hash(cached, pinned, "cached download")
+        return cached
+    project.downloads_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=project.downloads_dir, prefix=".incoming-") as tmp:
+        incoming = Path(tmp)
+        print(f"fetch: downloading {pinned.filename}", flush=True)
+        if pinned.is_wheel:
+            result = runner(pip_download_args(pinned, incoming, target.name, target.version))
+            if result.returncode != 0:
+                last = result.output.splitlines()[-1] if result.output else "no output"
+                raise CarryError(
+                    f"pip could not download {pinned.filename} ({last}): check the network and the pin"
+                )
+        else:
+            if not pinned.url:
+                raise CarryError(f"{pinned.filename} has no url in upstream/{target.name}.toml: add one")
+            try:
+                with (
+                    urllib.request.urlopen(pinned.url, timeout=120) as response,
+                    (incoming / pinned.filename).open("wb") as out,
+                ):
+                    shutil.copyfileobj(response, out)
+            except OSError as exc:
+                raise CarryError(f"cannot download {pinned.url} ({exc}): check the network") from exc
+        fetched = incoming / pinned.filename
+        if not fetched.exists():
+            found = ", ".join(p.name for p in incoming.iterdir()) or "nothing"
+            raise CarryError(f"download of {pinned.filename} produced {found}: check the pin's filename")
+        check_hash(fetched, pinned, "downloaded")
+        fetched.replace(cached)
+    return cached
+
+
+def extract_pristine(artifact: Path, tree: Path, source_subdir: str) -> None:
+    """Unpack an official wheel (minus its dist-info) or sdist (minus its top folder) into ``tree``."""
+    root = tree / source_subdir if source_subdir else tree
+    root.mkdir(parents=True, exist_ok=True)
+    if artifact.name.endswith(".whl"):
+        with zipfile.ZipFile(artifact) as wheel:
+            for info in wheel.infolist():
+                top = PurePosixPath(info.filename).parts[0]
+                if top.endswith(".dist-info") or info.is_dir():
+                    continue
+                destination = root / info.filename
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                destination.write_bytes(wheel.read(info))
+                mode = (info.external_attr >> 16) & 0o777
+                if mode & 0o111:
+                    destination.chmod(0o755)
+        return
+    with tarfile.open(artifact) as sdist:
+        for member in sdist.getmembers():
+            parts = PurePosixPath(member.name).parts
+            if len(parts) < 2:
+                continue
+            member.name = str(PurePosixPath(*parts[1:]))
+            sdist.extract(member, root, filter="data")
+
+
+def lay_checkout(project: Project, target: Target, artifact: Path, runner: Runner) -> str:
+    """Record the pristine tree as tag ``upstream/<version>`` in ``upstream/<name>/``."""
+    repo = project.checkout(target.name)
+    git = Git(repo, runner)
+    if not git.exists():
+        repo.mkdir(parents=True, exist_ok=True)
+        git.run("init", "--quiet")
+        (repo / ".git" / "info").mkdir(exist_ok=True)
+        (repo / ".git" / "info" / "exclude").write_text(IGNORED_IN_CHECKOUT)
+    if git.rev(target.upstream_tag):
+        return f"{target.label}: checkout has {target.upstream_tag}"
+    project.scratch_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=project.scratch_dir, prefix="pristine-") as tmp:
+        tree = Path(tmp) / "tree"
+        extract_pristine(artifact, tree, target.upstream.source_subdir)
+        index_env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git.run(f"--work-tree={tree}", "add", "--all", "--force", ".", env=index_env)
+        tree_id = git.out("write-tree", env=index_env)
+    parent = _previous_upstream(git, target)
+    message = (
+        f"{target.name} {target.version}: pristine upstream\n\n"
+        f"Unpacked from {artifact.name}\n"
+        f"(sha256 {sha256_of(artifact)}), upstream tag {target.release.git_tag}.\n"
+    )
+    parent_args = ["-p", parent] if parent else []
+    commit = git.out("commit-tree", tree_id, *parent_args, "-m", message, env=PRISTINE_AUTHOR)
+    git.run("tag", target.upstream_tag, commit)
+    if git.rev("HEAD") is None:
+        git.run("checkout", "--quiet", "-B", target.branch, target.upstream_tag)
+    return f"{target.label}: laid {target.upstream_tag} from {artifact.name}"
+
+
+def _previous_upstream(git: Git, target: Target) -> str | None:
+    """The newest older pristine tree, so that upstream tags form a history that rebases follow."""
+    older = [
+        release.version
+        for release in target.upstream.releases
+        if release.parsed_version < target.release.parsed_version and git.rev(f"upstream/{release.version}")
+    ]
+    if not older:
+        return None
+    newest = max(older, key=lambda v: target.upstream.release(v).parsed_version)
+    return git.rev(f"upstream/{newest}")
+
+
+def fetch(project: Project, targets: list[Target], runner: Runner = run_subprocess) -> int:
+    for target in targets:
+        pinned = select_file(target.release)
+        artifact = download(project, target, pinned, runner)
+        print(f"fetch: {pinned.filename} sha256 ok")
+        print(f"fetch: {lay_checkout(project, target, artifact, runner)}")
+    return 0
