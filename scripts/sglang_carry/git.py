@@ -80,7 +80,7 @@ class Git:
         return result.stdout.strip() if result.returncode == 0 else None
 
     def dirty_paths(self) -> list[str]:
-        status = self.out("status", "--porcelain", "--untracked-files=all")
+        status = self.run("status", "--porcelain", "--untracked-files=all").stdout
         return [line[3:] for line in status.splitlines() if line]
 
     def am_in_progress(self) -> bool:

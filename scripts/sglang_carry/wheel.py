@@ -88,7 +88,9 @@ def write_wheel(
     with zipfile.ZipFile(source) as src, zipfile.ZipFile(output, "w") as out:
         infos = [info for info in src.infolist() if not info.is_dir()]
         old_dist_info = _dist_info_dir(infos, source)
-        new_dist_info = f"{old_dist_info.rsplit('-', 1)[0]}-{local_version}.dist-info"
+        new_dist_info = (
+            f"{old_dist_info.removesuffix('.dist-info').rsplit('-', 1)[0]}-{local_version}.dist-info"
+        )
         stamp = next(i for i in infos if i.filename == f"{old_dist_info}/METADATA")
         rows: list[tuple[str, str, str]] = []
 

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from sglang_carry.errors import CarryError
+from sglang_carry.fetch import fetch
+
+from .conftest import DemoProject, git, sha256_file
+
+
+def test_fetch_lays_a_pristine_checkout(demo: DemoProject) -> None:
+    demo.fetch()
+    assert (demo.checkout / "python" / "demo" / "core.py").read_text() == "def answer():\n    return 41\n"
+    assert not list(demo.checkout.glob("python/*.dist-info"))
+    assert git(demo.checkout, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip() == "carry/1.0"
+    assert git(demo.checkout, "rev-list", "--count", "upstream/1.0").stdout.strip() == "1"
+    assert len(demo.pip.calls) == 1
+    assert "--only-binary=:all:" in demo.pip.calls[0]
+
+
+def test_fetch_twice_reuses_the_download_and_the_tag(demo: DemoProject) -> None:
+    demo.fetch()
+    first = git(demo.checkout, "rev-parse", "upstream/1.0").stdout
+    demo.fetch()
+    assert len(demo.pip.calls) == 1
+    assert git(demo.checkout, "rev-parse", "upstream/1.0").stdout == first
+
+
+def test_pristine_commit_is_reproducible(demo: DemoProject) -> None:
+    demo.fetch()
+    first = git(demo.checkout, "rev-parse", "upstream/1.0").stdout
+    git(demo.root, "init", "-q", check=False)
+    import shutil
+
+    shutil.rmtree(demo.checkout)
+    demo.fetch()
+    assert git(demo.checkout, "rev-parse", "upstream/1.0").stdout == first
+
+
+def test_download_hash_mismatch_names_both_hashes(demo: DemoProject) -> None:
+    tampered = demo.artifacts / "tampered" / demo.wheel.name
+    tampered.parent.mkdir()
+    tampered.write_bytes(demo.wheel.read_bytes() + b"x")
+    demo.pip.files["demo==1.0"] = tampered
+    with pytest.raises(CarryError) as failure:
+        fetch(demo.project, [demo.target()], demo.pip)
+    message = str(failure.value)
+    assert sha256_file(tampered) in message and sha256_file(demo.wheel) in message
+    assert "\n" not in message
+    assert not (demo.project.downloads_dir / demo.wheel.name).exists()
+    assert not demo.checkout.exists()
+
+
+def test_cached_download_is_checked_before_use(demo: DemoProject) -> None:
+    demo.fetch()
+    cached = demo.project.downloads_dir / demo.wheel.name
+    cached.write_bytes(b"corrupt")
+    with pytest.raises(CarryError, match=r"cached download .* has sha256 .* but the pin says"):
+        fetch(demo.project, [demo.target()], demo.pip)
+    assert cached.read_bytes() == b"corrupt"
+
+
+def test_pip_failure_is_one_line(demo: DemoProject) -> None:
+    demo.pip.files.clear()
+    with pytest.raises(CarryError, match=r"pip could not download .*No matching distribution"):
+        fetch(demo.project, [demo.target()], demo.pip)
+
+
+def test_sdist_comes_from_its_pinned_url(demo: DemoProject) -> None:
+    demo.fetch("tiny")
+    tree = demo.root / "upstream" / "tiny"
+    assert (tree / "tiny" / "__init__.py").read_text() == "X = 1\n"
+    assert (tree / "PKG-INFO").exists()
+    assert demo.pip.calls == []

@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from sglang_carry.errors import CarryError
+from sglang_carry.patching import apply, export
+from sglang_carry.series import load_series
+
+from .conftest import DemoProject, git, patch_message
+
+CORE = "python/demo/core.py"
+
+
+def carry_two_patches(demo: DemoProject) -> None:
+    demo.fetch()
+    demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
+    demo.commit_empty(patch_message("Record an upstream fix", status="Applied-Upstream"))
+    demo.commit_change("python/demo/extra.py", "EXTRA = True\n", patch_message("Add extra"))
+
+
+def test_export_then_apply_round_trip_is_byte_stable(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    assert export(demo.project, demo.target()) == 0
+    first = demo.snapshot(demo.series_dir)
+    assert list(first) == [
+        "0001-Fix-the-answer.patch",
+        "0002-Record-an-upstream-fix.patch",
+        "0003-Add-extra.patch",
+        "revision",
+        "series",
+    ]
+    series = load_series(demo.root / "patches", "demo", "1.0")
+    assert [e.status for e in series.entries] == ["Pending", "Applied-Upstream", "Pending"]
+    assert series.revision == 1
+
+    git(demo.checkout, "checkout", "-q", "--detach")
+    git(demo.checkout, "branch", "-D", "carry/1.0")
+    assert apply(demo.project, demo.target()) == 0
+    assert git(demo.checkout, "rev-list", "--count", "upstream/1.0..carry/1.0").stdout.strip() == "3"
+    assert export(demo.project, demo.target()) == 0
+    assert demo.snapshot(demo.series_dir) == first
+
+
+def test_apply_is_a_no_op_when_the_branch_carries_the_series(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    tip = git(demo.checkout, "rev-parse", "HEAD").stdout
+    (demo.checkout / "python" / "demo" / "scratch.txt").write_text("work in progress")
+    assert apply(demo.project, demo.target()) == 0
+    assert "already carries" in capsys.readouterr().out
+    assert git(demo.checkout, "rev-parse", "HEAD").stdout == tip
+    assert (demo.checkout / "python" / "demo" / "scratch.txt").exists()
+
+
+def test_revision_grows_only_when_the_series_changes(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    export(demo.project, demo.target())
+    assert load_series(demo.root / "patches", "demo", "1.0").revision == 1
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
+    export(demo.project, demo.target())
+    assert load_series(demo.root / "patches", "demo", "1.0").revision == 2
+
+
+def test_dirty_checkout_is_refused_and_nothing_is_lost(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    (demo.series_dir / "0003-Add-extra.patch").unlink()
+    (demo.series_dir / "series").write_text("0001-Fix-the-answer.patch\n0002-Record-an-upstream-fix.patch\n")
+    (demo.checkout / CORE).write_text("uncommitted work\n")
+    tip = git(demo.checkout, "rev-parse", "HEAD").stdout
+    with pytest.raises(CarryError, match=r"uncommitted changes \(python/demo/core.py\).*nothing was changed"):
+        apply(demo.project, demo.target())
+    assert (demo.checkout / CORE).read_text() == "uncommitted work\n"
+    assert git(demo.checkout, "rev-parse", "HEAD").stdout == tip
+
+
+def test_rebuilding_a_diverged_branch_keeps_a_backup(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    demo.commit_change(CORE, "def answer():\n    return 0\n", patch_message("Unexported work"))
+    tip = git(demo.checkout, "rev-parse", "HEAD").stdout.strip()
+    assert apply(demo.project, demo.target()) == 0
+    backups = git(
+        demo.checkout, "branch", "--list", "carry-backup/*", "--format=%(objectname)"
+    ).stdout.split()
+    assert backups == [tip]
+
+
+def test_series_naming_a_missing_patch(demo: DemoProject) -> None:
+    demo.fetch()
+    demo.series_dir.mkdir(parents=True)
+    (demo.series_dir / "series").write_text("0001-gone.patch\n")
+    with pytest.raises(CarryError, match=r"series lists 0001-gone.patch, which is not there"):
+        apply(demo.project, demo.target())
+
+
+def test_patch_listed_twice(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    (demo.series_dir / "series").write_text("0001-Fix-the-answer.patch\n0001-Fix-the-answer.patch\n")
+    with pytest.raises(CarryError, match=r"lists 0001-Fix-the-answer.patch twice"):
+        apply(demo.project, demo.target())
+
+
+def test_patch_file_not_in_series(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    shutil.copy(demo.series_dir / "0003-Add-extra.patch", demo.series_dir / "0009-stray.patch")
+    with pytest.raises(CarryError, match=r"0009-stray.patch is not listed in patches/demo/1.0/series"):
+        apply(demo.project, demo.target())
+
+
+def test_patch_that_does_not_apply_names_patch_and_file(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    patch = demo.series_dir / "0003-Add-extra.patch"
+    first = demo.series_dir / "0001-Fix-the-answer.patch"
+    first.write_text(first.read_text().replace("-    return 41", "-    return 40"))
+    git(demo.checkout, "checkout", "-q", "--detach")
+    git(demo.checkout, "branch", "-D", "carry/1.0")
+    with pytest.raises(CarryError) as failure:
+        apply(demo.project, demo.target())
+    message = str(failure.value)
+    assert "0001-Fix-the-answer.patch does not apply to demo 1.0" in message
+    assert "python/demo/core.py" in message and "git am --continue" in message
+    assert (demo.checkout / ".git" / "rebase-apply").exists()
+    with pytest.raises(CarryError, match=r"in the middle of git am"):
+        apply(demo.project, demo.target())
+    assert patch.exists()
+
+
+def test_applied_upstream_entry_must_not_carry_a_diff(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    first = demo.series_dir / "0001-Fix-the-answer.patch"
+    first.write_text(
+        first.read_text().replace("Upstream-Status: Pending", "Upstream-Status: Applied-Upstream")
+    )
+    with pytest.raises(CarryError, match=r"Applied-Upstream entry carries no diff"):
+        load_series(demo.root / "patches", "demo", "1.0")
+
+
+def test_unknown_status_is_refused(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    first = demo.series_dir / "0001-Fix-the-answer.patch"
+    first.write_text(first.read_text().replace("Upstream-Status: Pending", "Upstream-Status: Maybe"))
+    with pytest.raises(CarryError, match=r"Upstream-Status trailer is 'Maybe'"):
+        load_series(demo.root / "patches", "demo", "1.0")
+
+
+def test_trailers_are_parsed(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    entry = load_series(demo.root / "patches", "demo", "1.0").entries[0]
+    assert entry.subject == "Fix the answer"
+    assert entry.trailers["Bug"] == ["https://example.com/issue/1"]
+    assert entry.trailers["Drop-When"] == ["upstream fixes it"]
+    assert entry.tests == ["tests/test_demo.py"]
+
+
+def test_export_without_checkout_is_one_clear_error(demo: DemoProject) -> None:
+    with pytest.raises(CarryError, match=r"no checkout of demo 1.0 .*run `carry fetch` first"):
+        export(demo.project, demo.target())

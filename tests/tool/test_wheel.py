@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sglang_carry import wheel
+from sglang_carry.errors import CarryError
+from sglang_carry.patching import apply, export
+from sglang_carry.wheel import PROVENANCE_FILE, build, verify_wheel_record
+
+from .conftest import DemoProject, git, patch_message
+
+CORE = "python/demo/core.py"
+
+
+def carry_fix(demo: DemoProject) -> None:
+    demo.fetch()
+    demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
+    demo.commit_change("python/demo/extra.py", "EXTRA = True\n", patch_message("Add extra"))
+    export(demo.project, demo.target())
+
+
+def test_wheel_has_local_version_provenance_and_record(demo: DemoProject) -> None:
+    carry_fix(demo)
+    path = build(demo.project, demo.target())
+    assert path.name == "demo-1.0+carry.1-py3-none-any.whl"
+    assert path.parent == demo.root / "dist"
+    with zipfile.ZipFile(path) as built:
+        names = built.namelist()
+        assert "demo-1.0+carry.1.dist-info/METADATA" in names
+        assert not any(name.startswith("demo-1.0.dist-info/") for name in names)
+        assert b"Version: 1.0+carry.1\n" in built.read("demo-1.0+carry.1.dist-info/METADATA")
+        assert built.read("demo/core.py") == b"def answer():\n    return 42\n"
+        assert built.read("demo/extra.py") == b"EXTRA = True\n"
+        assert built.read("demo/native.so") == b"\x7fELF not really\n"
+        record = json.loads(built.read(f"demo-1.0+carry.1.dist-info/{PROVENANCE_FILE}"))
+    assert record["version"] == "1.0+carry.1"
+    assert record["upstream"]["file"] == demo.wheel.name
+    assert record["upstream"]["sha256"] == hashlib.sha256(demo.wheel.read_bytes()).hexdigest()
+    assert [p["file"] for p in record["series"]["patches"]] == [
+        "0001-Fix-the-answer.patch",
+        "0002-Add-extra.patch",
+    ]
+    assert [p["upstream_status"] for p in record["series"]["patches"]] == ["Pending", "Pending"]
+    assert record["changed_files"] == ["demo/core.py", "demo/extra.py"]
+    assert verify_wheel_record(path) == len(names)
+
+
+def test_installed_wheel_reports_the_local_version(demo: DemoProject, tmp_path: Path) -> None:
+    carry_fix(demo)
+    path = build(demo.project, demo.target())
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            str(path),
+        ],
+        check=True,
+    )
+    probe = "import importlib.metadata as m, demo.core as c; print(m.version('demo'), c.answer())"
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={"PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.split() == ["1.0+carry.1", "42"]
+
+
+def test_two_builds_are_byte_identical(demo: DemoProject) -> None:
+    carry_fix(demo)
+    first = build(demo.project, demo.target()).read_bytes()
+    git(demo.checkout, "checkout", "-q", "--detach")
+    git(demo.checkout, "branch", "-D", "carry/1.0")
+    apply(demo.project, demo.target())
+    assert build(demo.project, demo.target()).read_bytes() == first
+
+
+def test_empty_series_builds_revision_zero(demo: DemoProject) -> None:
+    demo.fetch()
+    path = build(demo.project, demo.target())
+    assert path.name == "demo-1.0+carry.0-py3-none-any.whl"
+    verify_wheel_record(path)
+
+
+def test_failed_build_leaves_no_partial_file(demo: DemoProject, monkeypatch: pytest.MonkeyPatch) -> None:
+    carry_fix(demo)
+
+    def broken(source: Path, output: Path, *args: object) -> None:
+        output.write_bytes(b"half a wheel")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(wheel, "write_wheel", broken)
+    with pytest.raises(OSError, match=r"disk full"):
+        build(demo.project, demo.target())
+    assert not (demo.root / "dist").exists() or list((demo.root / "dist").iterdir()) == []
+    assert list((demo.root / "build").glob("*.partial")) == []
+
+
+def test_build_refuses_a_branch_that_differs_from_patches(demo: DemoProject) -> None:
+    carry_fix(demo)
+    demo.commit_change(CORE, "def answer():\n    return 0\n", patch_message("Not exported"))
+    with pytest.raises(CarryError, match=r"carry/1.0 in upstream/demo differs from patches/demo/1.0"):
+        build(demo.project, demo.target())
+
+
+def test_build_refuses_a_series_changed_since_its_revision(demo: DemoProject) -> None:
+    carry_fix(demo)
+    patch = demo.series_dir / "0002-Add-extra.patch"
+    patch.write_text(patch.read_text().replace("Why this change", "Why that change"))
+    with pytest.raises(CarryError, match=r"changed since revision 1 was recorded"):
+        build(demo.project, demo.target())
+
+
+def test_record_check_catches_tampering(demo: DemoProject, tmp_path: Path) -> None:
+    carry_fix(demo)
+    path = build(demo.project, demo.target())
+    tampered = tmp_path / path.name
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tampered, "w") as out:
+        for info in src.infolist():
+            data = src.read(info)
+            out.writestr(info, b"def answer():\n    return 0\n" if info.filename == "demo/core.py" else data)
+    with pytest.raises(CarryError, match=r"RECORD hash of demo/core.py does not match"):
+        verify_wheel_record(tampered)
+
+
+def test_sdist_build_is_versioned_and_reproducible(demo: DemoProject) -> None:
+    demo.fetch("tiny")
+    tree = demo.root / "upstream" / "tiny"
+    demo.commit_change("tiny/__init__.py", "X = 2\n", patch_message("Fix X"), repo=tree)
+    export(demo.project, demo.target("tiny"))
+    path = build(demo.project, demo.target("tiny"))
+    assert path.name == "tiny-0.3+carry.1.tar.gz"
+    first = path.read_bytes()
+    assert build(demo.project, demo.target("tiny")).read_bytes() == first
+    with tarfile.open(path) as sdist:
+        names = sdist.getnames()
+        assert all(name.startswith("tiny-0.3+carry.1/") for name in names)
+
+        def read(relative: str) -> bytes:
+            handle = sdist.extractfile(f"tiny-0.3+carry.1/{relative}")
+            assert handle is not None
+            return handle.read()
+
+        assert read("tiny/__init__.py") == b"X = 2\n"
+        assert b"Version: 0.3+carry.1" in read("PKG-INFO")
+        assert b'version = "0.3+carry.1"' in read("pyproject.toml")
+        assert json.loads(read(PROVENANCE_FILE))["series"]["revision"] == 1
