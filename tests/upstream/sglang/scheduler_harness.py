@@ -1,0 +1,853 @@
+"""Drive the REAL sglang 0.5.20 `Scheduler._get_new_batch_prefill_raw` on CPU.
+
+`build_harness()` makes a `Scheduler` with `Scheduler.__new__` (its __init__ loads a model, binds
+ZMQ sockets and starts threads) and sets only the attributes that `_get_new_batch_prefill_raw`
+and what it calls read. Everything below that method is upstream code: `PrefillAdder`,
+`SchedulePolicy`, `Req`, `ScheduleBatch.init_new` / `prepare_for_extend`, `alloc_for_extend`, the
+pools and allocators, `UnifiedRadixCache` (built by the upstream registry, as
+`kv_cache_builder.build_kv_cache` does) and, with `hicache=True`, its `HybridCacheController`,
+`LayerDoneCounter` and host pools.
+
+Fakes sit only at the hardware / I-O boundary:
+- `FakeDeviceModule` replaces `device_module` (torch.cpu has no-op streams and events) in
+  `managers/cache_controller.py` and `mem_cache/l2_transfer.py`; its events and streams append
+  to one ordered log (`Harness.device_log`), and its events can stay pending (`auto_complete`).
+- `FakeL2TransferEngine` replaces `L2TransferEngine` in `cache_controller.py`: it logs each
+  submission and, for a load, makes the same event calls as the real engine and calls
+  `on_layer_done(layer)` for every layer, without copying data.
+- `CpuModelWorker` stands in for the TP model worker (it owns the model and the GPU streams).
+  The `ModelConfig` is real, read from a tiny Llama config.json; with `mamba=True` the pools
+  are hybrid (layer 0 attention, layer 1 Mamba2) and the registry is told `is_hybrid_ssm`.
+- The paged allocator's Triton kernel `alloc_extend_kernel` cannot launch without a GPU driver; it
+  is swapped for upstream's own torch port `alloc_extend_naive` (what the NPU allocator runs).
+- `cudaHostRegister` of the HiCache host pools (page-locking) is a no-op; the buffers are real.
+- `Harness.arm_miss()` makes one real pool report a miss (its alloc returns None).
+
+Line numbers in comments are for python/sglang/srt/managers/scheduler.py at 0.5.20 unless named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import tempfile
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from unittest import mock
+
+import torch
+from sglang.srt import runtime_context
+from sglang.srt.beam_search.coordinator import BeamCoordinator
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.constrained.grammar_manager import GrammarManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.managers import cache_controller
+from sglang.srt.managers import schedule_batch as schedule_batch_module
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler_components.load_inquirer import SchedulerLoadInquirer
+from sglang.srt.mem_cache import l2_transfer
+from sglang.srt.mem_cache.allocator import (
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+    alloc_extend_naive,
+)
+from sglang.srt.mem_cache.allocator import paged as paged_allocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import (
+    HybridLinearKVPool,
+    HybridReqToTokenPool,
+    MHATokenToKVPool,
+    ReqToTokenPool,
+)
+from sglang.srt.mem_cache.pool_host import common as host_pool_common
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+MissSite = Literal["req_rows", "token_slots", "paged_extend", "mamba_slot", "ping_pong"]
+
+# A 2-layer model: layer 0 is full attention; with `mamba=True` layer 1 is a Mamba2 layer.
+NUM_LAYERS = 2
+KV_HEADS = 2
+HEAD_DIM = 16
+VOCAB = 1000
+_TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": KV_HEADS,
+    "num_hidden_layers": NUM_LAYERS,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+    "eos_token_id": 2,
+    "bos_token_id": 1,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware boundary: device events and streams
+# --------------------------------------------------------------------------------------------
+@dataclass
+class DeviceLog:
+    """Ordered record of every event/stream/transfer call; entries are (op, name) tuples."""
+
+    entries: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, op: str, name: str) -> None:
+        self.entries.append((op, name))
+
+    def ops(self, op: str) -> list[str]:
+        return [name for o, name in self.entries if o == op]
+
+    def index(self, op: str, name: str) -> int:
+        return self.entries.index((op, name))
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event. A recorded event is pending until `synchronize()` (a host
+    wait) or `FakeDeviceModule.complete_all()`; with `auto_complete` it completes on record.
+    An event that was never recorded is complete, as on CUDA."""
+
+    def __init__(self, device: FakeDeviceModule, enable_timing: bool = False) -> None:
+        self._device = device
+        self.name = f"ev{next(device.counter)}"
+        self.recorded = False
+        self.done = True
+        device.events.append(self)
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded = True
+        self.done = self._device.auto_complete
+        self._device.log.add("record", self.name)
+
+    def query(self) -> bool:
+        self._device.log.add("query", self.name)
+        return self.done
+
+    def synchronize(self) -> None:
+        self._device.log.add("synchronize", self.name)
+        self.done = True
+
+    def wait(self, stream: Any = None) -> None:
+        self._device.log.add("wait", f"{getattr(stream, 'name', 'current')}<-{self.name}")
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        return 0.0
+
+
+class FakeStream:
+    def __init__(self, device: FakeDeviceModule, name: str | None = None, **_: Any) -> None:
+        self._device = device
+        self.name = name or f"stream{next(device.counter)}"
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self._device.log.add("wait_stream", f"{self.name}<-{getattr(other, 'name', other)}")
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self._device.log.add("wait", f"{self.name}<-{event.name}")
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = event or FakeEvent(self._device)
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        self._device.log.add("stream_synchronize", self.name)
+
+
+class FakeDeviceModule:
+    """What `get_device_module()` returns, as far as cache_controller.py and l2_transfer.py use
+    it: Event, Stream, stream(), current_stream(), synchronize()."""
+
+    def __init__(self, log: DeviceLog, auto_complete: bool = True) -> None:
+        self.log = log
+        self.auto_complete = auto_complete
+        self.counter = itertools.count()
+        self.events: list[FakeEvent] = []
+        self._current = FakeStream(self, name="current")
+
+    def Event(self, enable_timing: bool = False, **_: Any) -> FakeEvent:
+        return FakeEvent(self, enable_timing)
+
+    def Stream(self, *args: Any, **kwargs: Any) -> FakeStream:
+        return FakeStream(self)
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return self._current
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[FakeStream]:
+        previous, self._current = self._current, stream
+        try:
+            yield stream
+        finally:
+            self._current = previous
+
+    def synchronize(self, device: Any = None) -> None:
+        self.log.add("device_synchronize", "all")
+        self.complete_all()
+
+    def complete_all(self) -> None:
+        """Let every copy in flight finish (what a real device does eventually)."""
+        for event in self.events:
+            event.done = True
+
+
+def _sizes(transfers: list[l2_transfer.L2Transfer]) -> str:
+    """Device indices per transfer, e.g. "32+1" (KV first, then Mamba or sidecars)."""
+    return "+".join(str(len(t.device_indices)) for t in transfers)
+
+
+class FakeL2TransferEngine:
+    """Replaces `mem_cache/l2_transfer.py:L2TransferEngine`: same calls on events and callbacks,
+    no copies. Each submission is kept in `submissions` and logged as ("d2h"|"h2d", sizes)."""
+
+    def __init__(self, device: FakeDeviceModule, io_backend: str) -> None:
+        self._device = device
+        self.io_backend = io_backend
+        self.device_to_host_stream = FakeStream(device, name="d2h")
+        self.host_to_device_stream = FakeStream(device, name="h2d")
+        self.submissions: list[tuple[str, list[l2_transfer.L2Transfer]]] = []
+
+    def _start_event(self, start_event: FakeEvent | None) -> FakeEvent:
+        # l2_transfer.py:115-120
+        if start_event is None:
+            start_event = self._device.Event()
+            start_event.record()
+        return start_event
+
+    def _ack_events(self, kind: str) -> tuple[FakeEvent, FakeEvent]:
+        """The completion pair of a submission, named <kind><n>.ack_start / .ack_finish."""
+        n = sum(1 for k, _ in self.submissions if k == kind)
+        ack_start, ack_finish = self._device.Event(), self._device.Event()
+        ack_start.name, ack_finish.name = f"{kind}{n}.ack_start", f"{kind}{n}.ack_finish"
+        return ack_start, ack_finish
+
+    def submit_device_to_host(self, transfers: list[l2_transfer.L2Transfer]) -> Any:
+        start_event = self._start_event(None)
+        ack_start, ack_finish = self._ack_events("d2h")
+        with self._device.stream(self.device_to_host_stream):
+            start_event.wait(self.device_to_host_stream)
+            ack_start.record()
+            self.submissions.append(("d2h", transfers))
+            self._device.log.add("d2h", _sizes(transfers))
+            ack_finish.record()
+        return l2_transfer.TransferCompletion(ack_start, ack_finish, False)
+
+    def submit_host_to_device(
+        self,
+        transfers: list[l2_transfer.L2Transfer],
+        *,
+        layer_num: int,
+        start_event: FakeEvent | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> Any:
+        # Mirrors l2_transfer.py:74-113 with the per-layer copies left out.
+        start_event = self._start_event(start_event)
+        ack_start, ack_finish = self._ack_events("h2d")
+        with self._device.stream(self.host_to_device_stream):
+            start_event.wait(self.host_to_device_stream)
+            ack_start.record()
+            self.submissions.append(("h2d", transfers))
+            self._device.log.add("h2d", _sizes(transfers))
+            for layer_id in range(layer_num):
+                if on_layer_done is not None:
+                    on_layer_done(layer_id)
+            ack_finish.record()
+        return l2_transfer.TransferCompletion(ack_start, ack_finish, False)
+
+
+@dataclass
+class CpuModelRunner:
+    """The model runner attributes the scheduler reads during prefill scheduling."""
+
+    attn_backend: Any  # scheduler.py:3827-3831 probes `extend_attention_block_m` on it
+    forward_stream: Any  # scheduler.py:617-622 fences HiCache loads behind it
+    prefill_aware_swa: bool = False  # scheduler.py:4020
+
+
+@dataclass
+class CpuModelWorker:
+    """Stands in for TpModelWorker (model weights, CUDA graphs, GPU streams)."""
+
+    model_runner: CpuModelRunner
+    hicache_layer_transfer_counter: Any = None
+
+    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
+        # Called by mem_cache/registry.py:195 when HiCache is attached (tp_worker.py:532-533).
+        self.hicache_layer_transfer_counter = counter
+
+
+class NaiveAllocExtendKernel:
+    """Stands in for the Triton `alloc_extend_kernel` (no GPU driver to launch it): the launch
+    `alloc_extend_kernel[grid](...)` of allocator/paged.py:206-214 runs upstream's own torch port
+    of the kernel, `alloc_extend_naive`, which the NPU allocator uses. Like the kernel it only
+    fills `out_indices`; PagedTokenToKVPoolAllocator.alloc_extend still decides hit or miss. It
+    asserts when a request needs a new page and no page at all is free (paged.py:65-72)."""
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(
+            prefix_lens: torch.Tensor,
+            seq_lens: torch.Tensor,
+            last_loc: torch.Tensor,
+            free_pages: torch.Tensor,
+            out_indices: torch.Tensor,
+            bs_upper: int,
+            page_size: int,
+        ) -> None:
+            alloc_extend_naive(
+                prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device
+            )
+
+        return launch
+
+
+def _no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int | None = None) -> None:
+    """cudaHostRegister (pool_host/common.py:128-238) page-locks host pools for DMA: a driver
+    call with nothing to do on CPU. The host buffer itself is allocated for real."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and the harness object
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HarnessConfig:
+    page_size: int = 1
+    hicache: bool = False
+    mamba: bool = False
+    ping_pong: bool = False  # --mamba-radix-cache-strategy extra_buffer (needs mamba)
+    kv_tokens: int = 512  # device KV pool size (tokens)
+    req_rows: int = 8  # ReqToTokenPool rows (= max_running_requests)
+    mamba_slots: int = 24  # MambaPool slots
+    chunked_prefill_size: int = 256
+    max_prefill_tokens: int = 1024
+    context_len: int = 1024
+    hicache_ratio: float = 2.0
+    auto_complete_events: bool = True
+    enable_overlap: bool = True  # the default (no --disable-overlap-schedule)
+    # Tensor parallel hooks (tp_size > 1 needs torch.distributed initialised with gloo and the
+    # group passed here; the harness only builds what a single rank holds).
+    tp_size: int = 1
+    tp_cpu_group: Any = None
+
+
+@dataclass
+class Harness:
+    cfg: HarnessConfig
+    scheduler: Scheduler
+    tree_cache: UnifiedRadixCache
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: Any
+    device: FakeDeviceModule
+    device_log: DeviceLog
+    transfer_engine: FakeL2TransferEngine | None
+    build_seconds: float
+    _stack: contextlib.ExitStack
+    _rid_counter: Iterator[int] = field(default_factory=itertools.count)
+
+    # ---- requests and rounds ------------------------------------------------------------
+    def make_req(self, token_ids: list[int], rid: str | None = None, max_new_tokens: int = 8) -> Req:
+        """A real Req as handle_generate_request builds it (scheduler.py:2749-2792)."""
+        sched = self.scheduler
+        sampling_params = SamplingParams(max_new_tokens=max_new_tokens)
+        sampling_params.normalize(None)
+        req = Req(
+            rid or f"r{next(self._rid_counter)}",
+            "",
+            array("q", token_ids),
+            sampling_params,
+            eos_token_ids=sched.model_config.hf_eos_token_id,
+            disagg_mode=sched.disaggregation_mode,
+            vocab_size=sched.model_config.vocab_size,
+            dllm_config=sched.dllm_config,
+        )
+        sched.init_req_max_new_tokens(req)  # the real clamp, scheduler.py:2510
+        return req
+
+    def add_request(self, token_ids: list[int], rid: str | None = None) -> Req:
+        """Queue a request through the real `_add_request_to_queue` (scheduler.py:3193-3206)."""
+        req = self.make_req(token_ids, rid)
+        self.scheduler._add_request_to_queue(req)
+        assert self.scheduler.waiting_queue[-1] is req
+        return req
+
+    def run_round(self) -> ScheduleBatch | None:
+        """One call of the real `_get_new_batch_prefill_raw`, as get_new_batch_prefill makes it
+        with no prefill delayer (scheduler.py:3741-3744). Updates `scheduler.running_batch`."""
+        sched = self.scheduler
+        batch, sched.running_batch = sched._get_new_batch_prefill_raw(
+            prefill_delayer_single_pass=None, running_batch=sched.running_batch
+        )
+        return batch
+
+    def reset(self) -> None:
+        """Empty the queues and every pool, as `Scheduler.flush_cache` does when idle
+        (scheduler.py:4986-4989), so a benchmark can run rounds on one harness."""
+        sched = self.scheduler
+        sched.waiting_queue.clear()
+        sched.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+        sched.chunked_req = None
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        self.req_to_token_pool.reset_aux_cache_allocator()
+        self.device.complete_all()
+        self.device_log.clear()
+
+    # ---- pool state ---------------------------------------------------------------------
+    def free_counts(self) -> dict[str, int]:
+        counts = {
+            "req_rows": self.req_to_token_pool.available_size(),
+            "kv_tokens": self.token_to_kv_pool_allocator.available_size(),
+        }
+        mamba_allocator = getattr(self.req_to_token_pool, "mamba_allocator", None)
+        if mamba_allocator is not None:
+            counts["mamba_slots"] = mamba_allocator.available_size()
+        if self.tree_cache.cache_controller is not None:
+            counts["host_tokens"] = self.tree_cache.cache_controller.mem_pool_host.available_size()
+        return counts
+
+    @property
+    def layer_done_counter(self) -> cache_controller.LayerDoneCounter:
+        assert self.tree_cache.cache_controller is not None, "built without hicache"
+        return self.tree_cache.cache_controller.layer_done_counter
+
+    # ---- cached prefixes ----------------------------------------------------------------
+    def cache_prefix(self, token_ids: list[int]) -> None:
+        """Put `token_ids` in the radix tree with device KV (and a Mamba state with mamba=True),
+        as caching a finished request does. A later request with this prefix matches it on
+        device and admission locks it (`_req_inc_lock_ref`, schedule_policy.py:1092-1094).
+        With hicache (write_through) the insert also starts the D2H backup."""
+        assert len(token_ids) % self.cfg.page_size == 0, "whole pages only"
+        indices = self.token_to_kv_pool_allocator.alloc(len(token_ids))
+        assert indices is not None, "KV pool too small for the prefix"
+        mamba_value = None
+        if self.cfg.mamba:
+            mamba_value = self.req_to_token_pool.mamba_allocator.alloc(1)
+            assert mamba_value is not None, "no Mamba slot for the prefix"
+        key = RadixKey(token_ids=array("q", token_ids))
+        self.tree_cache.insert(InsertParams(key=key, value=indices, mamba_value=mamba_value))
+
+    def put_prefix_on_host(self, token_ids: list[int]) -> None:
+        """Leave `token_ids` in the tree on host only, the way HiCache gets there: insert device
+        KV (write-through backs it up, D2H), ack the write (`writing_check`), then evict the
+        device copy (the node is demoted, the host copy kept). A later request with this prefix
+        is a host hit: admission loads it back and `ready_to_load_host_cache` starts the load."""
+        cache = self.tree_cache
+        assert cache.cache_controller is not None, "put_prefix_on_host needs hicache=True"
+        self.cache_prefix(token_ids)
+        self.device.complete_all()  # the D2H copy finished
+        cache.writing_check()
+        free_before = self.token_to_kv_pool_allocator.available_size()
+        cache.evict(EvictParams(num_tokens=len(token_ids), mamba_num=1 if self.cfg.mamba else 0))
+        freed = self.token_to_kv_pool_allocator.available_size() - free_before
+        assert freed >= len(token_ids), "prefix still on device"
+
+    # ---- miss injection -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def arm_miss(self, site: MissSite, after: int = 0) -> Iterator[list[str]]:
+        """Make one real pool report a miss inside `alloc_for_extend` only, i.e. after admission
+        said yes (prepare_for_extend, schedule_batch.py:2677). The pool's alloc returns None
+        from the `after`-th matching call on; admission and load-back (which allocate before
+        alloc_for_extend) see the real pool. Only an instance attribute is shadowed; the free
+        counts stay real, as with kvcached's elastic pools. Yields a list that gets one entry
+        per miss reported."""
+        target, name, matches = self._miss_target(site)
+        real = getattr(target, name)
+        matching_calls = itertools.count()
+        armed = [False]
+        reported: list[str] = []
+
+        def maybe_miss(*args: Any, **kwargs: Any) -> Any:
+            if armed[0] and matches(*args, **kwargs) and next(matching_calls) >= after:
+                reported.append(site)
+                return None
+            return real(*args, **kwargs)
+
+        real_alloc_for_extend = schedule_batch_module.alloc_for_extend
+
+        def alloc_for_extend_armed(batch: ScheduleBatch) -> Any:
+            armed[0] = True
+            try:
+                return real_alloc_for_extend(batch)
+            finally:
+                armed[0] = False
+
+        with (
+            mock.patch.object(target, name, maybe_miss),
+            mock.patch.object(schedule_batch_module, "alloc_for_extend", alloc_for_extend_armed),
+        ):
+            yield reported
+
+    def _miss_target(self, site: MissSite) -> tuple[Any, str, Callable[..., bool]]:
+        """(object, method, which calls count) for each miss site of alloc_for_extend."""
+        any_call: Callable[..., bool] = lambda *a, **k: True  # noqa: E731
+        if site == "req_rows":
+            # ReqToTokenPool.alloc -> alloc_rows (memory_pool.py:306) -> None ->
+            # alloc_req_slots raises (allocation.py:321-330)
+            return self.req_to_token_pool, "alloc_rows", any_call
+        if site == "token_slots":  # allocation.py:158, raises at :169 (page_size 1)
+            assert self.cfg.page_size == 1, "token_slots is the page_size 1 path"
+            return self.token_to_kv_pool_allocator, "alloc", any_call
+        if site == "paged_extend":  # allocation.py:211, raises at :238 (page_size > 1)
+            assert self.cfg.page_size > 1, "paged_extend is the page_size > 1 path"
+            return self.token_to_kv_pool_allocator, "alloc_extend", any_call
+        assert self.cfg.mamba, f"{site} needs mamba=True"
+        pool = self.req_to_token_pool
+        if site == "mamba_slot":  # HybridReqToTokenPool.alloc: alloc(1), asserts at :1445
+            return pool.mamba_allocator, "alloc", lambda need_size: need_size == 1
+        if site == "ping_pong":  # _alloc_ping_pong_buffer: alloc(2), asserts at :1597
+            assert self.cfg.ping_pong and pool.mamba_ping_pong_track_buffer_size == 2, (
+                "ping_pong needs ping_pong=True and enable_overlap=True (2 track slots)"
+            )
+            return pool.mamba_allocator, "alloc", lambda need_size: need_size == 2
+        raise ValueError(site)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------------
+def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
+    """Publish the process-wide config bags the upstream code reads (get_memory(), ...)."""
+    server_args = ServerArgs(
+        model_path=str(model_dir),
+        device="cpu",
+        skip_tokenizer_init=True,
+        # torch_native: write_cache_indices / get_last_loc take their torch paths
+        # (mem_cache/allocation.py:68-71, 107-137) instead of Triton kernels.
+        attention_backend="torch_native",
+        page_size=cfg.page_size,
+        chunked_prefill_size=cfg.chunked_prefill_size,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        max_running_requests=cfg.req_rows,
+        context_length=cfg.context_len,
+        disable_overlap_schedule=not cfg.enable_overlap,
+        enable_hierarchical_cache=cfg.hicache,
+        hicache_ratio=cfg.hicache_ratio,
+        # "direct" + "page_first_direct": the host pools' torch indexing paths, no CUDA kernels;
+        # MambaPoolHost accepts only page_first* layouts (pool_host/mamba.py:55-58).
+        hicache_io_backend="direct",
+        hicache_mem_layout="page_first_direct",
+        mamba_radix_cache_strategy="extra_buffer" if cfg.ping_pong else "no_buffer",
+        tp_size=cfg.tp_size,
+    )
+    runtime_context.publish(server_args, role="scheduler")
+    return server_args
+
+
+def _build_pools(cfg: HarnessConfig, model_config: ModelConfig) -> tuple[ReqToTokenPool, Any]:
+    max_context_len = model_config.context_len + 4  # kv_cache_configurator adds a small extra
+    if cfg.mamba:
+        cache_params = Mamba2CacheParams(
+            shape=Mamba2StateShape.create(
+                tp_world_size=cfg.tp_size,
+                intermediate_size=8,
+                n_groups=1,
+                num_heads=2,
+                head_dim=4,
+                state_size=4,
+                conv_kernel=4,
+            ),
+            layers=[1],
+        )
+        req_to_token_pool: ReqToTokenPool = HybridReqToTokenPool(
+            size=cfg.req_rows,
+            mamba_size=cfg.mamba_slots,
+            mamba_spec_state_size=cfg.req_rows,
+            max_context_len=max_context_len,
+            device="cpu",
+            enable_memory_saver=False,
+            cache_params=cache_params,
+            mamba_layer_ids=[1],
+            enable_mamba_extra_buffer=cfg.ping_pong,
+            enable_overlap_schedule=cfg.enable_overlap,
+        )
+        kvcache: Any = HybridLinearKVPool(
+            size=cfg.kv_tokens,
+            dtype=torch.float32,
+            page_size=cfg.page_size,
+            head_num=KV_HEADS,
+            head_dim=HEAD_DIM,
+            full_attention_layer_ids=[0],
+            device="cpu",
+            mamba_pool=req_to_token_pool.mamba_pool,
+        )
+    else:
+        req_to_token_pool = ReqToTokenPool(
+            size=cfg.req_rows, max_context_len=max_context_len, device="cpu", enable_memory_saver=False
+        )
+        kvcache = MHATokenToKVPool(
+            size=cfg.kv_tokens,
+            page_size=cfg.page_size,
+            dtype=torch.float32,
+            head_num=KV_HEADS,
+            head_dim=HEAD_DIM,
+            layer_num=NUM_LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+    if cfg.page_size == 1:
+        allocator: Any = TokenToKVPoolAllocator(
+            cfg.kv_tokens, dtype=torch.float32, device="cpu", kvcache=kvcache, need_sort=False
+        )
+    else:
+        allocator = PagedTokenToKVPoolAllocator(
+            cfg.kv_tokens,
+            page_size=cfg.page_size,
+            dtype=torch.float32,
+            device="cpu",
+            kvcache=kvcache,
+            need_sort=False,
+        )
+    return req_to_token_pool, allocator
+
+
+def build_harness(cfg: HarnessConfig | None = None, **overrides: Any) -> Harness:
+    """Build the pools, tree cache and a Scheduler ready for `_get_new_batch_prefill_raw`.
+
+    `overrides` are HarnessConfig fields. Publishes a config for this process and patches module
+    globals until `Harness.close()` (or the `with` block) ends: one harness at a time."""
+    cfg = dataclasses.replace(cfg or HarnessConfig(), **overrides)
+    if cfg.ping_pong and not cfg.mamba:
+        raise ValueError("ping_pong needs mamba=True")
+    t0 = time.perf_counter()
+    stack = contextlib.ExitStack()
+    try:
+        return _build(cfg, stack, t0)
+    except BaseException:
+        stack.close()
+        raise
+
+
+def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harness:
+    saved_context = runtime_context.snapshot_context()
+    stack.callback(runtime_context.restore_context, saved_context)
+    model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sched-harness-")))
+    (model_dir / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    server_args = _publish(cfg, model_dir)
+
+    log = DeviceLog()
+    device = FakeDeviceModule(log, auto_complete=cfg.auto_complete_events)
+    engines: list[FakeL2TransferEngine] = []
+
+    def make_engine(io_backend: str) -> FakeL2TransferEngine:
+        engines.append(FakeL2TransferEngine(device, io_backend))
+        return engines[-1]
+
+    # Patched for the harness's lifetime: LayerDoneCounter's events are made at construction
+    # (cache_controller.py:55-58), the rest when a transfer is submitted.
+    stack.enter_context(mock.patch.object(cache_controller, "device_module", device))
+    stack.enter_context(mock.patch.object(l2_transfer, "device_module", device))
+    stack.enter_context(mock.patch.object(cache_controller, "L2TransferEngine", make_engine))
+    stack.enter_context(mock.patch.object(paged_allocator, "alloc_extend_kernel", NaiveAllocExtendKernel()))
+    stack.enter_context(mock.patch.object(host_pool_common, "_cuda_host_register", _no_host_register))
+
+    model_config = ModelConfig.from_server_args(server_args)  # what init_model_config does (:781)
+    req_to_token_pool, allocator = _build_pools(cfg, model_config)
+    worker = CpuModelWorker(
+        CpuModelRunner(attn_backend=object(), forward_stream=FakeStream(device, "forward"))
+    )
+
+    # kv_cache_builder.py:303-355: the params and the registry call build_kv_cache makes.
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=cfg.page_size,
+        tp_cache_group=cfg.tp_cpu_group,
+        attn_tp_cache_group=cfg.tp_cpu_group,
+        eviction_policy=runtime_context.get_memory().radix_eviction_policy,
+        enable_mamba_extra_buffer=runtime_context.get_exec().mamba.enable_mamba_extra_buffer,
+        chunked_prefill_size=cfg.chunked_prefill_size,
+    )
+    tree_cache = create_tree_cache(
+        TreeCacheBuildContext(
+            server_args=server_args,
+            params=params,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=cfg.mamba,
+            enable_hierarchical_cache=cfg.hicache,
+            disable_radix_cache=False,
+            effective_chunked_prefill_size=cfg.chunked_prefill_size,
+            tp_worker=worker,
+            model_config=model_config,
+            tp_size=cfg.tp_size,
+            tp_rank=0,
+            tp_group=None,
+        )
+    )
+    assert isinstance(tree_cache, UnifiedRadixCache), type(tree_cache)
+    stack.callback(_shutdown_tree_cache, tree_cache)
+
+    if tree_cache.cache_controller is not None:
+        _name_load_events(tree_cache.cache_controller.layer_done_counter)
+    sched = _make_scheduler(cfg, server_args, model_config, worker, req_to_token_pool, allocator, tree_cache)
+    return Harness(
+        cfg=cfg,
+        scheduler=sched,
+        tree_cache=tree_cache,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        device=device,
+        device_log=log,
+        transfer_engine=engines[0] if engines else None,
+        build_seconds=time.perf_counter() - t0,
+        _stack=stack,
+    )
+
+
+def _name_load_events(counter: cache_controller.LayerDoneCounter) -> None:
+    """Readable names in the device log: load<slot>.start / load<slot>.layer<i>; the slot's
+    `finish_event` is its last layer (cache_controller.py:66-68)."""
+    for slot, loading_event in enumerate(counter.events):
+        loading_event.start_event.name = f"load{slot}.start"
+        for layer, event in enumerate(loading_event.load_events):
+            event.name = f"load{slot}.layer{layer}"
+
+
+def _shutdown_tree_cache(tree_cache: UnifiedRadixCache) -> None:
+    if tree_cache.cache_controller is not None:
+        tree_cache.shutdown()
+
+
+def _make_scheduler(
+    cfg: HarnessConfig,
+    server_args: ServerArgs,
+    model_config: ModelConfig,
+    worker: CpuModelWorker,
+    req_to_token_pool: ReqToTokenPool,
+    allocator: Any,
+    tree_cache: UnifiedRadixCache,
+) -> Scheduler:
+    """A Scheduler holding exactly what `_get_new_batch_prefill_raw` (:3757-4071), the helpers it
+    calls on `self` (get_num_allocatable_reqs :3710, _add_request_to_queue :3193) and the
+    harness's request path (init_req_max_new_tokens :2510) read. `:N` = scheduler.py line N."""
+    memory, schedule = runtime_context.get_memory(), runtime_context.get_schedule()
+    s = Scheduler.__new__(Scheduler)
+
+    # -- model, pools, cache (init_model_config :781, build_kv_cache :582-616) ---------------
+    s.server_args = server_args  # read by the init_* methods called below
+    s.model_config = model_config  # :4002 ScheduleBatch.init_new; Req vocab/eos in make_req
+    s.tp_worker = worker  # :3827 attn_backend, :4020 model_runner.prefill_aware_swa
+    s.req_to_token_pool = req_to_token_pool  # :3717, :3869 mamba_allocator, :3891, :3999
+    s.token_to_kv_pool_allocator = allocator  # :3836 PrefillAdder, :4000 init_new
+    s.tree_cache = tree_cache  # :3835, :3872 buffer_pipeline, :3962, :4001, :4015 load
+    s.is_hybrid_swa = False  # :3768
+    # -- worker info (init_model_worker :1164-1177, from TpModelWorker.get_worker_info) -----
+    s.max_total_num_tokens = allocator.size  # :2537 init_req_max_new_tokens
+    s.max_prefill_tokens = schedule.max_prefill_tokens  # :3839 PrefillAdder
+    s.max_running_requests = cfg.req_rows  # :3844 PrefillAdder
+    s.max_queued_requests = schedule.max_queued_requests  # :3261 _abort_on_queued_limit
+    s.max_req_len = min(model_config.context_len - 1, allocator.size - 1)  # :2536
+    s.device = "cpu"  # :4060 (mixed chunk with spec only)
+    s.min_free_slots_delayer = None  # :3780; resolve_min_free_slots(None, ...) is None (:1181)
+    # -- parsed args (__init__ :467-512) ------------------------------------------------------
+    s.page_size = schedule.page_size  # :3834 PrefillAdder; :2531, :2539
+    s.enable_overlap = cfg.enable_overlap  # :4003 init_new, :4054
+    s.spec_algorithm = SpeculativeAlgorithm.from_string(runtime_context.get_spec().speculative_algorithm)
+    #   ^ :4004 init_new, :4054
+    s.enable_hierarchical_cache = memory.enable_hierarchical_cache  # :3942, :4012
+    s.enable_unified_cache_external_linker = memory.enable_unified_cache_external_linker  # :3943, :4012
+    s.enable_hicache_storage = memory.hicache_storage_backend is not None  # :3900, :3920, :3978
+    s.enable_lora = runtime_context.get_lora().enable_lora  # :3856, :3875, :3936
+    s.max_new_tokens_limit = None  # :2517 (SGLANG_MAX_NEW_TOKENS_LIMIT unset)
+    s.schedule_policy = schedule.schedule_policy  # init_schedule_policy
+    s.enable_priority_scheduling = schedule.enable_priority_scheduling  # :4028, :3231
+    s.schedule_low_priority_values_first = schedule.schedule_low_priority_values_first  # :3232
+    s.abort_on_priority_when_disabled = schedule.abort_on_priority_when_disabled  # :3239
+    s.priority_scheduling_preemption_threshold = schedule.priority_scheduling_preemption_threshold
+    #   ^ :3842 PrefillAdder
+    # -- run state (init_running_status :1272, init_disaggregation :1459) -------------------
+    s.disaggregation_mode = DisaggregationMode(runtime_context.get_disagg().disaggregation_mode)
+    #   ^ :3888, :3200 _add_request_to_queue
+    s.waiting_queue = []  # :3773, :3806, :3871, :3981
+    s.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)  # :3719; run_round passes it
+    s.processed_tokens_counter = 0  # :3808 calc_priority, :3206
+    s.dynamic_chunk_sizer = None  # :3819 (maybe_init_dynamic_chunk_sizer: PP only)
+    s.future_map = None  # :4062 (mixed chunk with spec only)
+    # -- real init_* methods that read only the above and the published config ------------
+    s.init_chunked_prefill()  # chunked_prefill_size :3818, chunked_req :3774, is_mixed_chunk :3841
+    s.init_diffusion_llm()  # dllm_config :3847
+    s.init_schedule_policy()  # policy :3805, enable_priority_preemption :3768, max_prefill_bs
+    #                           :3843, new_token_ratio_tracker :3838, prefill_delayer (None)
+    s.init_deterministic_inference_config()  # truncation_align_size :3933
+    # get_num_allocatable_reqs reads get_parallel().pp_max_micro_batch_size (:3716); the real
+    # init_model_worker fills the default the same way (:1190-1196).
+    runtime_context.get_context().override(
+        "scheduler.pp_max_micro_batch_size_default", pp_max_micro_batch_size=max(cfg.req_rows, 1)
+    )
+    # -- collaborators: real classes; constructors that need TP/PP groups are skipped ------
+    grammar = GrammarManager.__new__(GrammarManager)  # __init__ needs the dp-tp group
+    grammar.grammar_queue = []  # :3763 has_waiting_grammars()
+    s.grammar_manager = grammar
+    s.beam_coordinator = BeamCoordinator(  # :3721 pending_member_rows()
+        model_config=model_config,
+        spec_algorithm=s.spec_algorithm,
+        dllm_enabled=s.dllm_config is not None,
+        max_req_len=s.max_req_len,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        tree_cache=tree_cache,
+        future_map=None,
+    )
+    s.load_inquirer = SchedulerLoadInquirer(  # :4029 _get_num_pending_tokens()
+        disaggregation_mode=s.disaggregation_mode,
+        ps=None,
+        server_args=server_args,
+        max_total_num_tokens=s.max_total_num_tokens,
+        max_running_requests=s.max_running_requests,
+        pool_stats_observer=None,
+        tp_worker=worker,
+        token_to_kv_pool_allocator=allocator,
+        spec_algorithm=s.spec_algorithm,
+        get_running_batch=lambda: s.running_batch,
+        get_waiting_queue=lambda: s.waiting_queue,
+        waiting_queue_prefix_matched=lambda: s.policy.waiting_queue_prefix_matched(s.waiting_queue),
+        get_recent_cache_hit_rate=lambda: 0.0,
+        get_stats=lambda: None,
+        get_chunked_req=lambda: s.chunked_req,
+        get_disagg_prefill_bootstrap_queue=lambda: None,
+        get_disagg_prefill_inflight_queue=lambda: None,
+        get_disagg_decode_prealloc_queue=lambda: None,
+        get_disagg_decode_transfer_queue=lambda: None,
+        get_spec_total_num_accept_tokens=lambda: 0,
+        get_spec_total_num_forward_ct=lambda: 0,
+        get_total_prefill_uncached_tokens=lambda: 0,
+        get_total_prefill_busy_us=lambda: 0,
+        get_decode_moment_totals=lambda: [0.0] * 6,
+    )
+    # -- distributed handles: not read by the pristine method; a patched unwind that agrees
+    #    across TP ranks would use them (init_model_worker :1198-1201 sets them from the groups).
+    s.tp_cpu_group = cfg.tp_cpu_group
+    s.attn_tp_cpu_group = cfg.tp_cpu_group
+    # :617-622: HiCache loads are fenced behind the forward stream.
+    if tree_cache.cache_controller is not None:
+        tree_cache.cache_controller.load_fence_stream = worker.model_runner.forward_stream
+    return s
