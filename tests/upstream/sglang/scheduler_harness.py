@@ -50,9 +50,11 @@ from sglang.srt.constrained.grammar_manager import GrammarManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers import cache_controller
 from sglang.srt.managers import schedule_batch as schedule_batch_module
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.managers.scheduler_components.load_inquirer import SchedulerLoadInquirer
+from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
 from sglang.srt.mem_cache import l2_transfer
 from sglang.srt.mem_cache.allocator import (
     PagedTokenToKVPoolAllocator,
@@ -60,8 +62,9 @@ from sglang.srt.mem_cache.allocator import (
     alloc_extend_naive,
 )
 from sglang.srt.mem_cache.allocator import paged as paged_allocator
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.memory_pool import (
     HybridLinearKVPool,
     HybridReqToTokenPool,
@@ -74,6 +77,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cac
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.session.session_controller import Session
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 MissSite = Literal["req_rows", "token_slots", "paged_extend", "mamba_slot", "ping_pong"]
@@ -275,6 +279,38 @@ class FakeL2TransferEngine:
         return l2_transfer.TransferCompletion(ack_start, ack_finish, False)
 
 
+class FakeCacheLinker:
+    """Stands in for the external cache linker (`UnifiedCacheLinkerWrapper` around e.g. the
+    mooncake direct linker, storage/mooncake_store/mooncake_direct_linker.py), which loads on its
+    own thread. Only the calls the prefill path makes on `tree_cache.linker` are answered: it
+    has no hits of its own (`match` passes the tree's result through, `has_hit` is False) and
+    `start_layer_wise_loading` reports `start_index`, the consumer index a linker load returns
+    from `ready_to_load_host_cache` (unified_radix_cache.py:3339-3345)."""
+
+    def __init__(self, start_index: int) -> None:
+        self.start_index = start_index
+        self.started = 0
+
+    def match(self, key: Any, req: Any, result: Any) -> Any:
+        return result
+
+    def has_hit(self, rid: str) -> bool:
+        return False
+
+    def start_layer_wise_loading(self) -> int:
+        self.started += 1
+        return self.start_index
+
+    def release_request(self, rid: str) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class CpuModelRunner:
     """The model runner attributes the scheduler reads during prefill scheduling."""
@@ -339,6 +375,7 @@ class HarnessConfig:
     mamba_slots: int = 24  # MambaPool slots
     chunked_prefill_size: int = 256
     max_prefill_tokens: int = 1024
+    prefill_max_requests: int | None = None  # --prefill-max-requests: admission stops at this many
     context_len: int = 1024
     hicache_ratio: float = 2.0
     auto_complete_events: bool = True
@@ -362,10 +399,18 @@ class Harness:
     build_seconds: float
     _stack: contextlib.ExitStack
     _rid_counter: Iterator[int] = field(default_factory=itertools.count)
+    last_batch: ScheduleBatch | None = None  # the batch the last run_round returned
 
     # ---- requests and rounds ------------------------------------------------------------
-    def make_req(self, token_ids: list[int], rid: str | None = None, max_new_tokens: int = 8) -> Req:
-        """A real Req as handle_generate_request builds it (scheduler.py:2749-2792)."""
+    def make_req(
+        self,
+        token_ids: list[int],
+        rid: str | None = None,
+        max_new_tokens: int = 8,
+        session: Session | None = None,
+    ) -> Req:
+        """A real Req as handle_generate_request builds it (scheduler.py:2749-2792). With `session`
+        it is a turn of that session, as Session.create_req passes it (session_controller.py)."""
         sched = self.scheduler
         sampling_params = SamplingParams(max_new_tokens=max_new_tokens)
         sampling_params.normalize(None)
@@ -378,13 +423,17 @@ class Harness:
             disagg_mode=sched.disaggregation_mode,
             vocab_size=sched.model_config.vocab_size,
             dllm_config=sched.dllm_config,
+            session=session,
+            session_id=session.session_id if session is not None else None,
         )
         sched.init_req_max_new_tokens(req)  # the real clamp, scheduler.py:2510
         return req
 
-    def add_request(self, token_ids: list[int], rid: str | None = None) -> Req:
+    def add_request(
+        self, token_ids: list[int], rid: str | None = None, session: Session | None = None
+    ) -> Req:
         """Queue a request through the real `_add_request_to_queue` (scheduler.py:3193-3206)."""
-        req = self.make_req(token_ids, rid)
+        req = self.make_req(token_ids, rid, session=session)
         self.scheduler._add_request_to_queue(req)
         assert self.scheduler.waiting_queue[-1] is req
         return req
@@ -396,7 +445,178 @@ class Harness:
         batch, sched.running_batch = sched._get_new_batch_prefill_raw(
             prefill_delayer_single_pass=None, running_batch=sched.running_batch
         )
+        self.last_batch = batch
         return batch
+
+    def prepare_next_round(self) -> None:
+        """What the event loop does between two prefill rounds, before the next
+        `_get_new_batch_prefill_raw` (get_next_batch_to_run, scheduler.py:3562-3630), in its order:
+        - the copies in flight finish (a real device gets there eventually), then the real
+          `_process_hicache_events` polls them (:3566; `check_hicache_events`: writing_check /
+          loading_check, which unlock loaded nodes);
+        - the chunked request's previous chunk is cached with the real `stash_chunked_request`
+          when it produced KV beyond its prefix, the same test as :3597-3598;
+        - when requests of the last prefill batch finished (`finish_request`), the running batch is
+          no longer full: the loop filters them out of the last batch and clears batch_is_full
+          (:3626-3630). Without this, a round whose admission filled the rows would block every
+          later round (:3772-3775), which the real loop does not.
+        The rest of get_next_batch_to_run (merging the last batch into the running batch, decode)
+        is left out: the harness finishes requests right after their prefill."""
+        sched = self.scheduler
+        self.device.complete_all()
+        sched._process_hicache_events()
+        chunked = sched.chunked_req
+        if chunked is not None and chunked.extend_range.end > len(chunked.prefix_indices):
+            sched.stash_chunked_request(chunked)
+        last, self.last_batch = self.last_batch, None
+        if last is not None and any(req.finished() for req in last.reqs):
+            sched.running_batch.batch_is_full = False
+
+    def finish_request(self, req: Req) -> None:
+        """Finish a request right after its (last) prefill chunk, the way the batch result
+        processor does for a finished request (batch_result_processor.py:372-380 at 0.5.20): a finish
+        reason, then the real `release_kv_cache` (cache_finished_req: insert into the tree,
+        unlock, free the row and what the tree does not keep)."""
+        req.finished_reason = FINISH_LENGTH(length=0)
+        release_kv_cache(req, self.tree_cache)
+
+    def open_streaming_session(self, token_ids: list[int]) -> Session:
+        """A streaming session whose first turn ran and finished, so its slot holds the turn's
+        row, KV and (with mamba) Mamba slot between turns: the real `Session(streaming=True)`,
+        one real prefill round for the first turn, then `release_kv_cache`, which hands the
+        request's KV record to the session slot (StreamingSession.try_cache_finished_req,
+        session/streaming_session.py:267-327). A later `add_request(..., session=...)` whose
+        tokens extend `token_ids` restores that record at match time (restore_to_req)."""
+        assert not self.scheduler.waiting_queue, "open the session on an idle scheduler"
+        session = Session(
+            capacity_of_str_len=1 << 16, session_id=f"s{next(self._rid_counter)}", streaming=True
+        )
+        first = self.add_request(token_ids, session=session)
+        batch = self.run_round()
+        assert batch is not None and batch.reqs == [first], "the first turn must run alone"
+        self.finish_request(first)
+        assert self.tree_cache.session.has_slot(session.session_id)
+        return session
+
+    def session_slot(self, session: Session) -> Any:
+        """The `SessionSlot` holding `session`'s state between turns."""
+        return self.tree_cache.session.slots[session.session_id]
+
+    @contextlib.contextmanager
+    def spy_releases(self) -> Iterator[None]:
+        """Put the releases an unwind makes into the device log, in order with the event calls:
+        - every lock release, `tree_cache.dec_lock_ref`, as ("dec_lock_ref", "pending=<names>");
+        - every Mamba free, `mamba_allocator.free(indices)`, as ("mamba_free", "<i,j> pending=<names>");
+        - the consumer index `ready_to_load_host_cache` returns, as ("consumer", "<index>"): the
+          batch's `hicache_consumer_index`, also when the batch is unwound and never returned.
+        `pending=` lists the load events recorded and not complete at that moment, so a test can
+        show what was released while a load was in flight. The real methods run; only instance
+        attributes are shadowed, so every caller (scheduler, pools, tree components) is seen."""
+        device, log = self.device, self.device_log
+
+        def pending_loads() -> str:
+            names = [e.name for e in device.events if e.recorded and not e.done and e.name.startswith("load")]
+            return "pending=" + ",".join(names)
+
+        def spy_lock(real: Callable[..., Any]) -> Callable[..., Any]:
+            def dec_lock_ref(*args: Any, **kwargs: Any) -> Any:
+                log.add("dec_lock_ref", pending_loads())
+                return real(*args, **kwargs)
+
+            return dec_lock_ref
+
+        def spy_free(real: Callable[..., Any]) -> Callable[..., Any]:
+            def free(indices: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                slots = ",".join(str(int(i)) for i in indices.flatten().tolist())
+                log.add("mamba_free", f"{slots} {pending_loads()}")
+                return real(indices, *args, **kwargs)
+
+            return free
+
+        def spy_consumer(real: Callable[[], int]) -> Callable[[], int]:
+            def ready_to_load_host_cache() -> int:
+                index = real()
+                log.add("consumer", str(index))
+                return index
+
+            return ready_to_load_host_cache
+
+        cache = self.tree_cache
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(cache, "dec_lock_ref", spy_lock(cache.dec_lock_ref)))
+            stack.enter_context(
+                mock.patch.object(
+                    cache, "ready_to_load_host_cache", spy_consumer(cache.ready_to_load_host_cache)
+                )
+            )
+            allocator = getattr(self.req_to_token_pool, "mamba_allocator", None)
+            if allocator is not None:
+                stack.enter_context(mock.patch.object(allocator, "free", spy_free(allocator.free)))
+            yield
+
+    def mamba_load_targets(self) -> set[int]:
+        """The device Mamba slots the H2D loads submitted so far write into (the tree node's slot
+        and the request's copy-on-write slot, unified_cache/components/mamba.py:730-755)."""
+        if self.transfer_engine is None or not self.cfg.mamba:
+            return set()
+        mamba_pool = self.req_to_token_pool.mamba_pool
+        return {
+            int(i)
+            for kind, transfers in self.transfer_engine.submissions
+            if kind == "h2d"
+            for t in transfers
+            if t.device_pool is mamba_pool
+            for i in t.device_indices.flatten().tolist()
+        }
+
+    def idle_leak_report(self) -> list[str]:
+        """The scheduler's own idle memory check, run on this harness's pools: the real
+        `SchedulerPoolStatsObserver` and `SchedulerInvariantChecker._check_all_pools`
+        (available + evictable + protected + session-held == total, for the KV pool and, with
+        mamba, the Mamba pool) and the row count of `_check_req_pool`, as
+        `Scheduler.self_check_during_idle` runs them (scheduler.py:4878-4893). Returns the
+        problems found; empty when nothing leaked. Call it when idle: no request holds pool
+        memory outside the tree or a session."""
+        sched = self.scheduler
+        observer = SchedulerPoolStatsObserver(
+            tree_cache=self.tree_cache,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            req_to_token_pool=self.req_to_token_pool,
+            session_controller=None,
+            hisparse_coordinator=None,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=self.cfg.mamba,
+            enable_hisparse=False,
+            full_tokens_per_layer=None,
+            swa_tokens_per_layer=None,
+            max_total_num_tokens=sched.max_total_num_tokens,
+            get_last_batch=lambda: None,
+            get_running_batch=lambda: sched.running_batch,
+        )
+        checker = SchedulerInvariantChecker(
+            is_hybrid_swa=False,
+            is_hybrid_ssm=self.cfg.mamba,
+            disaggregation_mode=sched.disaggregation_mode,
+            page_size=self.cfg.page_size,
+            full_tokens_per_layer=None,
+            swa_tokens_per_layer=None,
+            max_total_num_tokens=sched.max_total_num_tokens,
+            tree_cache=self.tree_cache,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            req_to_token_pool=self.req_to_token_pool,
+            pool_stats_observer=observer,
+            get_last_batch=lambda: None,
+            get_running_batch=lambda: sched.running_batch,
+            get_chunked_req=lambda: sched.chunked_req,
+            scheduler_stage_metrics=None,
+        )
+        has_leak, messages = checker._check_all_pools(observer.get_pool_stats())
+        problems = list(messages) if has_leak else []
+        # _check_req_pool (invariant_checker.py:439-460) warns instead of raising by default.
+        rows = len(self.req_to_token_pool.free_slots) + observer.session_held_req_count()
+        if rows != self.req_to_token_pool.size:
+            problems.append(f"[rows] free+session_held={rows}, total={self.req_to_token_pool.size}")
+        return problems
 
     def reset(self) -> None:
         """Empty the queues and every pool, as `Scheduler.flush_cache` does when idle
@@ -456,10 +676,14 @@ class Harness:
         self.cache_prefix(token_ids)
         self.device.complete_all()  # the D2H copy finished
         cache.writing_check()
-        free_before = self.token_to_kv_pool_allocator.available_size()
-        cache.evict(EvictParams(num_tokens=len(token_ids), mamba_num=1 if self.cfg.mamba else 0))
-        freed = self.token_to_kv_pool_allocator.available_size() - free_before
-        assert freed >= len(token_ids), "prefix still on device"
+        # Eviction takes the least recently used nodes first: evict until this prefix is the one
+        # that went (a later call would otherwise evict an older prefix instead).
+        key = RadixKey(token_ids=array("q", token_ids))
+        for _ in range(8):
+            if len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices) == 0:
+                return
+            cache.evict(EvictParams(num_tokens=len(token_ids), mamba_num=1 if self.cfg.mamba else 0))
+        raise AssertionError("prefix still on device")
 
     # ---- miss injection -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -546,6 +770,7 @@ def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
         page_size=cfg.page_size,
         chunked_prefill_size=cfg.chunked_prefill_size,
         max_prefill_tokens=cfg.max_prefill_tokens,
+        prefill_max_requests=cfg.prefill_max_requests,
         max_running_requests=cfg.req_rows,
         context_length=cfg.context_len,
         disable_overlap_schedule=not cfg.enable_overlap,

@@ -1,0 +1,752 @@
+"""The prefill allocation-miss unwind (carry patch "WIP prefill unwind", sgl-project/sglang#34676).
+
+When `prepare_for_extend` cannot allocate although admission said yes (an elastic kvcached pool, an
+undersized Mamba pool), 0.5.20 raises out of `Scheduler._get_new_batch_prefill_raw` and the
+scheduler process dies. With the patch the round returns None and the batch goes back to the head
+of the waiting queue with nothing held. Everything below the scheduler is the real upstream code
+(see scheduler_harness.py); a miss is a real pool whose alloc reports None (`arm_miss`).
+
+Expected: these tests FAIL on pristine 0.5.20 and PASS with the patch, except the tests named
+`*_bug_*`, which show defects of the patch (see REPORT.md) and pass with the fixes branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import os
+import queue
+import random
+import tempfile
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+from unittest import mock
+
+import pytest
+import scheduler_harness as sh
+import torch.distributed as dist
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+SCHEDULER_LOGGER = "sglang.srt.managers.scheduler"
+PREFIX = list(range(100, 132))  # 32 tokens: whole pages for page_size 1 and 4
+MAMBA: dict[str, Any] = {"mamba": True}
+PING_PONG: dict[str, Any] = {"mamba": True, "ping_pong": True}
+
+
+def _prompt(i: int, length: int = 20) -> list[int]:
+    """Token ids that share no prefix with another `_prompt(j)` nor with PREFIX."""
+    return list(range(1000 + 300 * i, 1000 + 300 * i + length))
+
+
+def _unwind_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == SCHEDULER_LOGGER and "unwound" in r.getMessage()]
+
+
+def _num_unwinds(h: sh.Harness) -> int:
+    # The counter is a class attribute of the patched Scheduler; pristine has none.
+    return int(getattr(h.scheduler, "num_prefill_unwinds", 0))
+
+
+def _holds_nothing(req: Req) -> bool:
+    """No row, no Mamba state slot, no ping-pong track slots: what a queued request holds."""
+    return (
+        not req.kv.holds_kv
+        and not req.kv.holds_mamba
+        and req.kv.mamba_ping_pong_track_buffer is None
+        and req.kv.mamba_cow_src_index is None
+    )
+
+
+def _drain(h: sh.Harness, max_rounds: int = 50) -> list[str]:
+    """Run rounds (no miss armed) until nothing is queued or chunked, finishing each request
+    once its last chunk is scheduled. Returns the rids in the order they finished."""
+    finished: list[str] = []
+    for _ in range(max_rounds):
+        sched = h.scheduler
+        if not sched.waiting_queue and sched.chunked_req is None:
+            return finished
+        h.prepare_next_round()
+        batch = h.run_round()
+        assert batch is not None, "a round with work queued and nothing armed must schedule"
+        for req in batch.reqs:
+            if req is not sched.chunked_req:
+                h.finish_request(req)
+                finished.append(req.rid)
+    raise AssertionError(f"queue not drained after {max_rounds} rounds")
+
+
+# --------------------------------------------------------------------------------------------
+# Every miss site: requeue at the head, release everything, back off, then schedule
+# --------------------------------------------------------------------------------------------
+class SiteCase(NamedTuple):
+    config: dict[str, Any]
+    site: sh.MissSite
+    after: int  # matching allocations inside alloc_for_extend that still succeed
+    prefix: Literal["none", "device", "host"]  # what the batch's first request hits
+
+
+SITE_CASES = {
+    "req_rows": SiteCase({}, "req_rows", 0, "none"),
+    "token_slots": SiteCase({}, "token_slots", 0, "none"),
+    "paged_extend": SiteCase({"page_size": 4}, "paged_extend", 0, "none"),
+    "mamba_req_rows": SiteCase(MAMBA, "req_rows", 0, "none"),
+    # after=1: the first request's state slot is taken in the failing call, the second misses.
+    "mamba_slot": SiteCase(MAMBA, "mamba_slot", 1, "none"),
+    "mamba_token_slots": SiteCase(MAMBA, "token_slots", 0, "none"),
+    # after=1: the first request's ping-pong pair is taken in the failing call.
+    "ping_pong": SiteCase(PING_PONG, "ping_pong", 1, "none"),
+    "ping_pong_token_slots": SiteCase(PING_PONG, "token_slots", 0, "none"),
+    "ping_pong_paged_extend": SiteCase({**PING_PONG, "page_size": 4}, "paged_extend", 0, "none"),
+    # A device prefix hit: admission locks the prefix (schedule_policy.py:1092-1094).
+    "device_prefix_token_slots": SiteCase({}, "token_slots", 0, "device"),
+    "device_prefix_paged_extend": SiteCase({"page_size": 4}, "paged_extend", 0, "device"),
+    "device_prefix_mamba_slot": SiteCase(MAMBA, "mamba_slot", 0, "device"),
+    # A host hit: admission loads the prefix back and the round starts the H2D load.
+    "host_prefix_token_slots": SiteCase({"hicache": True}, "token_slots", 0, "host"),
+    "host_prefix_paged_extend": SiteCase({"hicache": True, "page_size": 4}, "paged_extend", 0, "host"),
+    "host_prefix_ping_pong": SiteCase({"hicache": True, **PING_PONG}, "ping_pong", 1, "host"),
+}
+# --prefill-max-requests 4: four requests are admitted, a fifth stays queued behind them. (Filling
+# the rows instead would also set running_batch.batch_is_full; see test_bug_unwind_leaves_batch_full.)
+ADMITTED = 4
+
+
+@pytest.mark.parametrize("case", SITE_CASES.values(), ids=SITE_CASES.keys())
+def test_miss_unwinds_the_batch(case: SiteCase, caplog: pytest.LogCaptureFixture) -> None:
+    with sh.build_harness(**case.config, prefill_max_requests=ADMITTED) as h:
+        sched = h.scheduler
+        prefix_len = 0
+        if case.prefix == "device":
+            h.cache_prefix(PREFIX)
+        elif case.prefix == "host":
+            h.put_prefix_on_host(PREFIX)
+        if case.prefix != "none":
+            prefix_len = len(PREFIX)
+            first = h.add_request([*PREFIX, 7, 8, 9, 10])
+            reqs = [first] + [h.add_request(_prompt(i)) for i in range(ADMITTED - 1)]
+        else:
+            reqs = [h.add_request(_prompt(i)) for i in range(ADMITTED)]
+        behind = h.add_request(_prompt(9))  # not admitted this round
+        before = h.free_counts()
+        caplog.set_level(logging.WARNING, logger=SCHEDULER_LOGGER)
+
+        with h.arm_miss(case.site, after=case.after) as reported:
+            batch = h.run_round()
+
+        assert batch is None  # the round schedules nothing ...
+        assert reported == [case.site]
+        # ... and the batch is back at the head of the queue, in its order, ahead of `behind`.
+        assert sched.waiting_queue == [*reqs, behind]
+        assert all(_holds_nothing(r) for r in reqs)
+        assert sched.chunked_req is None
+        assert _num_unwinds(h) == 1
+        assert len(_unwind_records(caplog)) == 1
+        assert sched.prefill_unwind_admit_cap == ADMITTED // 2
+        after = h.free_counts()
+        if case.prefix == "host":
+            # The loaded prefix now lives on device in the tree (load_back gave it KV and, with
+            # Mamba, a node slot); the batch itself holds nothing. Its nodes stay locked by the
+            # ongoing load until the loop's loading_check sees the load land.
+            tree_took = {"kv_tokens": prefix_len, "mamba_slots": 1 if h.cfg.mamba else 0}
+            assert after == {k: v - tree_took.get(k, 0) for k, v in before.items()}
+            h.prepare_next_round()
+        else:
+            assert after == before
+        assert h.tree_cache.protected_size() == 0  # every admission lock released
+
+        # Back-off: the next round admits at most half of the unwound batch, then the cap lifts.
+        retry = h.run_round()
+        assert retry is not None and retry.reqs == reqs[: ADMITTED // 2]
+        assert sched.prefill_unwind_admit_cap is None
+        assert retry.reqs[0].prefix_indices.numel() == prefix_len  # the hit is still a hit
+        for req in retry.reqs:
+            h.finish_request(req)
+        assert _drain(h) == [r.rid for r in reqs[ADMITTED // 2 :]] + [behind.rid]
+        assert _num_unwinds(h) == 1
+        assert h.idle_leak_report() == []
+
+
+@pytest.mark.parametrize("site", ["mamba_slot", "ping_pong"])
+def test_mamba_miss_takes_nothing_in_the_failing_call(site: sh.MissSite) -> None:
+    """HybridReqToTokenPool.alloc, when its Mamba (or ping-pong) allocation misses, gives back the
+    rows and state slots that same call already took: None means nothing taken."""
+    with sh.build_harness(**PING_PONG) as h:
+        reqs = [h.add_request(_prompt(i)) for i in range(3)]
+        pool = h.req_to_token_pool
+        real_alloc = pool.alloc
+        seen: list[tuple[dict[str, int], Any, dict[str, int]]] = []
+
+        def alloc(batch_reqs: list[Req]) -> Any:
+            free_before = h.free_counts()
+            result = real_alloc(batch_reqs)
+            seen.append((free_before, result, h.free_counts()))
+            return result
+
+        with mock.patch.object(pool, "alloc", alloc), h.arm_miss(site, after=1):
+            assert h.run_round() is None
+
+        [(free_before, result, free_after)] = seen
+        assert result is None
+        assert free_after == free_before  # the first request's row and slots are back
+        assert all(_holds_nothing(r) for r in reqs)
+
+
+def test_bug_unwind_leaves_batch_full() -> None:
+    """Admission sets running_batch.batch_is_full when the batch takes the last rows (or runs out
+    of tokens) (scheduler.py:3884-3888, :3943-3950 at 0.5.20). The unwind does not restore it, and
+    with nothing running nothing clears it (no last batch to filter, :3626-3630; no decode step
+    for an empty batch, :3677): every later round returns None at :3772-3775 and the requeued
+    requests are never scheduled."""
+    with sh.build_harness(req_rows=ADMITTED) as h:
+        reqs = [h.add_request(_prompt(i)) for i in range(ADMITTED + 1)]
+        with h.arm_miss("token_slots"):
+            assert h.run_round() is None
+        assert h.scheduler.waiting_queue == reqs
+
+        assert h.scheduler.running_batch.batch_is_full is False
+        retry = h.run_round()
+        assert retry is not None and retry.reqs == reqs[: ADMITTED // 2]
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked prefill
+# --------------------------------------------------------------------------------------------
+CHUNK = 64
+
+
+class ChunkedState(NamedTuple):
+    row: int
+    mamba: Any
+    ping_pong: Any
+    inflight: int
+    protected: int
+    prefix_len: int
+
+
+def _chunked_state(h: sh.Harness, req: Req) -> ChunkedState:
+    kv = req.kv
+    return ChunkedState(
+        row=kv.req_pool_idx,
+        mamba=None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx),
+        ping_pong=None
+        if kv.mamba_ping_pong_track_buffer is None
+        else kv.mamba_ping_pong_track_buffer.tolist(),
+        inflight=req.inflight_middle_chunks,
+        protected=h.tree_cache.protected_size(),
+        prefix_len=len(req.prefix_indices),
+    )
+
+
+def _start_chunked(h: sh.Harness, length: int) -> Req:
+    """A request longer than a chunk whose first chunk was scheduled and cached the way the loop
+    does between rounds (stash_chunked_request), i.e. a continuing chunked prefill."""
+    long = h.add_request(_prompt(0, length))
+    first = h.run_round()
+    assert first is not None and first.reqs == [long] and h.scheduler.chunked_req is long
+    h.prepare_next_round()
+    assert len(long.prefix_indices) == CHUNK
+    return long
+
+
+CHUNK_CONFIGS = {"page1": {}, "mamba_ping_pong": PING_PONG}
+# 200 tokens: chunk 2 is a middle chunk. 100: chunk 2 is the last (36 tokens) and a 20-token
+# request fits behind it in the same round, so the unwound batch has both.
+CHUNK_LENGTHS = {"middle_chunk": 200, "last_chunk": 100}
+
+
+@pytest.mark.parametrize("length", CHUNK_LENGTHS.values(), ids=CHUNK_LENGTHS.keys())
+@pytest.mark.parametrize("config", CHUNK_CONFIGS.values(), ids=CHUNK_CONFIGS.keys())
+def test_continuing_chunked_request_keeps_its_state(config: dict[str, Any], length: int) -> None:
+    with sh.build_harness(**config, chunked_prefill_size=CHUNK) as h:
+        sched = h.scheduler
+        long = _start_chunked(h, length)
+        short = h.add_request(_prompt(1))
+        state = _chunked_state(h, long)
+        before = h.free_counts()
+
+        with h.arm_miss("token_slots") as reported:
+            assert h.run_round() is None
+
+        assert reported == ["token_slots"]
+        assert sched.chunked_req is long  # still the chunked request, not requeued
+        assert sched.waiting_queue == [short]
+        assert _chunked_state(h, long) == state  # row, Mamba slots, lock, inflight count kept
+        assert _holds_nothing(short)
+        assert h.free_counts() == before
+        assert _num_unwinds(h) == 1
+
+        # The next round schedules the same chunk again, from the same prefix.
+        retry = h.run_round()
+        assert retry is not None and retry.reqs[0] is long
+        assert long.extend_range.start == CHUNK
+
+
+@pytest.mark.parametrize("length", CHUNK_LENGTHS.values(), ids=CHUNK_LENGTHS.keys())
+@pytest.mark.parametrize("config", CHUNK_CONFIGS.values(), ids=CHUNK_CONFIGS.keys())
+def test_bug_unwound_chunk_is_cached_by_the_next_loop_iteration(config: dict[str, Any], length: int) -> None:
+    """The loop caches the chunked request's previous chunk before each round when its
+    extend_range ends past its prefix (scheduler.py:3587-3598 at 0.5.20). The unwind restores
+    chunked_req but not the extend_range add_chunked_req set for the unwound chunk, so the next
+    iteration caches a chunk that was never computed, with KV slots that were never allocated
+    (missing rank) or were given back (other ranks)."""
+    with sh.build_harness(**config, chunked_prefill_size=CHUNK) as h:
+        long = _start_chunked(h, length)
+        h.add_request(_prompt(1))
+        state = _chunked_state(h, long)
+        before = h.free_counts()
+        with h.arm_miss("token_slots"):
+            assert h.run_round() is None
+
+        h.prepare_next_round()  # what get_next_batch_to_run does before the next round
+
+        assert _chunked_state(h, long) == state  # prefix still the one computed chunk
+        assert h.free_counts() == before
+        retry = h.run_round()
+        assert retry is not None and retry.reqs[0] is long
+        assert long.extend_range.start == CHUNK
+
+
+def test_new_chunked_request_goes_back_to_the_queue() -> None:
+    """A request admitted this round and truncated into its first chunk is a new request: it is
+    requeued, and chunked_req goes back to what it was (None)."""
+    with sh.build_harness(**PING_PONG, chunked_prefill_size=CHUNK) as h:
+        sched = h.scheduler
+        short = h.add_request(_prompt(0))
+        long = h.add_request(_prompt(1, 200))
+        before = h.free_counts()
+
+        with h.arm_miss("token_slots"):
+            assert h.run_round() is None
+
+        assert sched.chunked_req is None
+        assert sched.waiting_queue == [short, long]
+        assert _holds_nothing(short) and _holds_nothing(long)
+        assert h.free_counts() == before
+        assert h.tree_cache.protected_size() == 0
+        assert _drain(h) == [short.rid, long.rid]
+        assert h.idle_leak_report() == []
+
+
+def test_bug_requeued_chunk_still_counts_as_in_flight() -> None:
+    """`_get_new_batch_prefill_raw` counts the new chunk in `inflight_middle_chunks` (:3991-3992)
+    before prepare_for_extend; the unwind restores the count only for the chunked request that
+    was already running. The requeued request keeps 1, and when it is scheduled again its count
+    is one too high: the batch result processor then treats its last chunk as a middle chunk
+    (batch_result_processor.py:344, 417) and never commits its first output token."""
+    with sh.build_harness(**PING_PONG, chunked_prefill_size=CHUNK) as h:
+        h.add_request(_prompt(0))
+        long = h.add_request(_prompt(1, 200))
+        assert long.inflight_middle_chunks == 0
+        with h.arm_miss("token_slots"):
+            assert h.run_round() is None
+
+        assert long.inflight_middle_chunks == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming session: its Mamba slot (and row) belong to the session, never to the unwind
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("site", ["token_slots", "mamba_slot"])
+@pytest.mark.parametrize("config", [MAMBA, PING_PONG], ids=["mamba", "mamba_ping_pong"])
+def test_session_held_mamba_slot_is_never_freed(config: dict[str, Any], site: sh.MissSite) -> None:
+    with sh.build_harness(**config) as h:
+        sched = h.scheduler
+        first_turn = _prompt(0, 30)
+        session = h.open_streaming_session(first_turn)
+        slot = h.session_slot(session)
+        session_mamba = int(slot.kv.mamba_pool_idx)
+        session_row = slot.kv.req_pool_idx
+        turn = h.add_request([*first_turn, 5, 6, 7], session=session)
+        other = h.add_request(_prompt(1))
+        before = h.free_counts()
+        allocator = h.req_to_token_pool.mamba_allocator
+
+        # mamba_slot: the session turn already holds its slot, so the one alloc(1) is `other`'s.
+        with h.spy_releases(), h.arm_miss(site) as reported:
+            assert h.run_round() is None
+
+        assert reported == [site]
+        assert sched.waiting_queue == [turn, other]
+        assert turn.kv is slot.kv  # the turn runs on the session's record (restore_to_req)
+        assert int(slot.kv.mamba_pool_idx) == session_mamba
+        assert slot.kv.req_pool_idx == session_row
+        assert session_mamba not in allocator.free_slots.tolist()
+        freed = [name.split()[0] for name in h.device_log.ops("mamba_free")]
+        assert str(session_mamba) not in ",".join(freed).split(",")
+        assert _holds_nothing(other)
+        assert h.free_counts() == before
+
+        retry = h.run_round()
+        assert retry is not None and retry.reqs == [turn]
+        assert int(turn.kv.mamba_pool_idx) == session_mamba
+
+
+# --------------------------------------------------------------------------------------------
+# Anything but a miss is not unwound
+# --------------------------------------------------------------------------------------------
+def test_other_exceptions_propagate_unchanged(caplog: pytest.LogCaptureFixture) -> None:
+    with sh.build_harness(**MAMBA) as h:
+        for i in range(3):
+            h.add_request(_prompt(i))
+        error = ValueError("pool failure that is not a miss")
+        real_alloc_for_extend = sh.schedule_batch_module.alloc_for_extend
+        allocator = h.token_to_kv_pool_allocator
+
+        def alloc_for_extend(batch: Any) -> Any:
+            # Raise from the token pool inside prepare_for_extend, where a miss would come from.
+            with mock.patch.object(allocator, "alloc", side_effect=error):
+                return real_alloc_for_extend(batch)
+
+        caplog.set_level(logging.WARNING, logger=SCHEDULER_LOGGER)
+        with (
+            mock.patch.object(sh.schedule_batch_module, "alloc_for_extend", alloc_for_extend),
+            pytest.raises(ValueError) as raised,
+        ):
+            h.run_round()
+
+        assert raised.value is error
+        assert _num_unwinds(h) == 0
+        assert _unwind_records(caplog) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Two tensor-parallel ranks over gloo: one misses, both unwind
+# --------------------------------------------------------------------------------------------
+RANKS = 2
+RANK_TIMEOUT_S = 120  # join limit per process; the collectives themselves time out after 30 s
+
+
+class RankScenario(NamedTuple):
+    config: dict[str, Any]
+    site: sh.MissSite
+    first: Literal["fresh", "session", "chunked"]  # what the unwound batch starts with
+
+
+RANK_SCENARIOS = {
+    "mamba_ping_pong": RankScenario(PING_PONG, "token_slots", "fresh"),
+    # page 4, a streaming-session turn on a 30-token prefix: its extend starts inside the
+    # prefix's last page, which `release_extend_allocation` must not free on the rank that did
+    # not miss.
+    "paged_session": RankScenario({"page_size": 4}, "paged_extend", "session"),
+    # A continuing chunked request with ping-pong tracking (its second chunk is unwound).
+    "chunked_ping_pong": RankScenario({**PING_PONG, "chunked_prefill_size": CHUNK}, "token_slots", "chunked"),
+}
+MISSING_RANK = 1
+
+
+def _req_state(req: Req) -> tuple[Any, ...]:
+    """What a rank knows about a request, to compare ranks (pool indices may differ)."""
+    kv = req.kv
+    return (
+        req.rid,
+        kv.holds_kv,
+        kv.holds_mamba,
+        kv.kv_allocated_len,
+        kv.kv_committed_len,
+        req.cached_tokens,
+        req.already_computed,
+        req.extend_batch_idx,
+        req.inflight_middle_chunks,
+        kv.mamba_next_track_idx,
+        kv.mamba_last_track_idx,
+    )
+
+
+def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str, Any]:
+    sched = h.scheduler
+    reqs: list[Req] = []
+    if scenario.first == "session":
+        first_turn = _prompt(7, 30)
+        session = h.open_streaming_session(first_turn)
+        reqs.append(h.add_request([*first_turn, 5, 6, 7, 8, 9], session=session))
+    elif scenario.first == "chunked":
+        reqs.append(_start_chunked(h, 100))  # both ranks run its first chunk
+    reqs += [h.add_request(_prompt(i)) for i in range(4 - len(reqs))]
+    before = h.free_counts()
+    protected_before = h.tree_cache.protected_size()
+    armed = h.arm_miss(scenario.site) if rank == MISSING_RANK else contextlib.nullcontext([])
+    with armed as reported:
+        batch = h.run_round()
+    result: dict[str, Any] = {
+        "batch": None if batch is None else [r.rid for r in batch.reqs],
+        "reported": list(reported),
+        "before": before,
+        "after": h.free_counts(),
+        "queue": [r.rid for r in sched.waiting_queue],
+        "chunked": None if sched.chunked_req is None else sched.chunked_req.rid,
+        "unwinds": _num_unwinds(h),
+        "protected": (protected_before, h.tree_cache.protected_size()),
+        "state_after_unwind": [_req_state(r) for r in reqs],
+    }
+    retry = h.run_round()
+    result["retry"] = None if retry is None else [r.rid for r in retry.reqs]
+    result["state_after_retry"] = [_req_state(r) for r in reqs]
+    return result
+
+
+def _rank_main(rank: int, store: str, results: Any) -> None:
+    """One TP rank: a gloo group on CPU, the harness with that group as attn_tp_cpu_group."""
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=RANKS,
+            timeout=datetime.timedelta(seconds=30),
+        )
+        group = dist.new_group(list(range(RANKS)), backend="gloo")
+        out: dict[str, Any] = {}
+        for name, scenario in RANK_SCENARIOS.items():
+            with sh.build_harness(**scenario.config, tp_size=RANKS, tp_cpu_group=group) as h:
+                # The patch agrees over attn_tp_cpu_group (_agree_on_prefill_unwind).
+                assert h.scheduler.attn_tp_cpu_group is group
+                out[name] = _rank_scenario(h, rank, scenario)
+        dist.destroy_process_group()
+        results.put((rank, out, None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        # Flush the queue's feeder thread, then leave without running the parent's pytest
+        # teardown or atexit hooks, which a forked child inherited.
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+class TwoRanks(NamedTuple):
+    results: dict[int, dict[str, Any]]  # rank -> scenario name -> what _rank_scenario saw
+    errors: list[str]  # a rank's traceback, or a hang
+
+    def scenario(self, name: str) -> dict[int, dict[str, Any]]:
+        assert not self.errors, "\n".join(self.errors)
+        return {rank: result[name] for rank, result in self.results.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    """Run both ranks once for the module. Fork (not spawn) so the children reuse the imported
+    sglang modules: a spawned child would re-import for 10-30 s."""
+    with sh.build_harness():  # import sglang's model registry once, before forking
+        pass
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    out = TwoRanks({}, [])
+    with tempfile.TemporaryDirectory(prefix="unwind-gloo-") as tmp:
+        store = str(Path(tmp) / "store")
+        procs = [ctx.Process(target=_rank_main, args=(rank, store, results)) for rank in range(RANKS)]
+        for proc in procs:
+            proc.start()
+        try:
+            for _ in range(RANKS):
+                rank, result, error = results.get(timeout=RANK_TIMEOUT_S)
+                if error is not None:
+                    out.errors.append(f"rank {rank}:\n{error}")
+                else:
+                    out.results[rank] = result
+        except queue.Empty:
+            out.errors.append(f"a rank hung: no result within {RANK_TIMEOUT_S} s")
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    return out
+
+
+@pytest.mark.parametrize("name", RANK_SCENARIOS.keys())
+def test_two_ranks_one_miss_both_unwind(two_ranks: TwoRanks, name: str) -> None:
+    ranks = two_ranks.scenario(name)
+    site = RANK_SCENARIOS[name].site
+    for rank, r in ranks.items():
+        assert r["reported"] == ([site] if rank == MISSING_RANK else []), rank
+        assert r["batch"] is None, rank  # the rank that did not miss unwinds too
+        assert r["unwinds"] == 1, rank
+        assert r["after"] == r["before"], rank  # and gives back what it allocated
+        protected_before, protected_after = r["protected"]
+        assert protected_after == protected_before, rank  # admission locks released
+    assert ranks[0]["queue"] == ranks[1]["queue"] != []
+    assert ranks[0]["chunked"] == ranks[1]["chunked"]
+    # The next round (nothing armed) schedules the same requests on both ranks: the chunked
+    # request, if any, then at most half of the unwound batch.
+    chunked = [] if ranks[0]["chunked"] is None else [ranks[0]["chunked"]]
+    assert ranks[0]["retry"] is not None and ranks[0]["retry"] == ranks[1]["retry"]
+    assert ranks[0]["retry"][: len(chunked)] == chunked
+
+
+@pytest.mark.parametrize("name", RANK_SCENARIOS.keys())
+def test_bug_two_ranks_requests_stay_in_step(two_ranks: TwoRanks, name: str) -> None:
+    """The rank that did not miss ran prepare_for_extend to the end before the ranks agreed: it
+    advanced each request's cached_tokens / already_computed / extend_batch_idx (and, for a Mamba
+    extend long enough to be tracked, its ping-pong indices), which its unwind does not roll back.
+    Its requests then diverge from the missing rank's: rank 0, which reports to the client,
+    returns a negative cached_tokens for the retried request."""
+    ranks = two_ranks.scenario(name)
+    assert ranks[0]["state_after_unwind"] == ranks[1]["state_after_unwind"]
+    assert ranks[0]["state_after_retry"] == ranks[1]["state_after_retry"]
+    assert all(state[5] >= 0 for r in ranks.values() for state in r["state_after_retry"])
+
+
+# --------------------------------------------------------------------------------------------
+# Seeded randomized soak
+# --------------------------------------------------------------------------------------------
+class SoakConfig(NamedTuple):
+    config: dict[str, Any]
+    sites: tuple[sh.MissSite, ...]
+    rounds: int
+
+
+SOAK_CONFIGS = {
+    "hicache_mamba_ping_pong": SoakConfig(
+        {"hicache": True, **PING_PONG, "kv_tokens": 1024, "req_rows": 8, "mamba_slots": 48},
+        ("req_rows", "token_slots", "mamba_slot", "ping_pong"),
+        1500,
+    ),
+    "hicache_page4": SoakConfig(
+        {"hicache": True, "page_size": 4, "kv_tokens": 1024, "req_rows": 8},
+        ("req_rows", "paged_extend"),
+        1500,
+    ),
+    # Three rows: admission often fills them and marks the running batch full.
+    "mamba_3_rows": SoakConfig(
+        {**MAMBA, "kv_tokens": 1024, "req_rows": 3, "mamba_slots": 48},
+        ("req_rows", "token_slots", "mamba_slot"),
+        1000,
+    ),
+}
+SOAK_PREFIXES = [list(range(100 + 40 * i, 132 + 40 * i)) for i in range(4)]  # 32 tokens each
+
+
+@dataclasses.dataclass
+class SoakLedger:
+    """What happened to every request: queued, finished once, never lost or duplicated."""
+
+    added: list[str] = dataclasses.field(default_factory=list)
+    finished: dict[str, int] = dataclasses.field(default_factory=dict)
+    unwinds: int = 0
+    unwinds_with_chunk: int = 0  # a chunked request (continuing or new) in the unwound batch
+    unwinds_with_load: int = 0  # the unwound round started an H2D load
+    misses: int = 0
+    rounds_with_load: int = 0
+
+    def finish(self, h: sh.Harness, req: Req) -> None:
+        assert req.rid not in self.finished, f"{req.rid} scheduled to completion twice"
+        h.finish_request(req)
+        self.finished[req.rid] = 1
+
+
+def _soak_request(rng: random.Random, n: int) -> list[int]:
+    """Fresh tokens, a 32-token cached/host prefix plus a tail, or a long (chunked) prompt."""
+    kind = rng.random()
+    base = 10_000 + 400 * n
+    if kind < 0.35:
+        return [*rng.choice(SOAK_PREFIXES), *range(base, base + rng.randint(1, 24))]
+    if kind < 0.5:
+        return list(range(base, base + rng.randint(70, 180)))
+    return list(range(base, base + rng.randint(4, 40)))
+
+
+@contextlib.contextmanager
+def _maybe_miss(h: sh.Harness, rng: random.Random, cfg: SoakConfig) -> Iterator[list[str]]:
+    if rng.random() < 0.3:
+        with h.arm_miss(rng.choice(cfg.sites), after=rng.randint(0, 1)) as reported:
+            yield reported
+    else:
+        yield []
+
+
+def _h2d_count(h: sh.Harness) -> int:
+    engine = h.transfer_engine
+    return 0 if engine is None else sum(1 for kind, _ in engine.submissions if kind == "h2d")
+
+
+def _soak_round(h: sh.Harness, rng: random.Random, cfg: SoakConfig, ledger: SoakLedger) -> None:
+    sched = h.scheduler
+    h.prepare_next_round()
+    # Now and then a burst larger than the rows, so admission marks the batch full.
+    arrivals = 10 if rng.random() < 0.05 else rng.choice([0, 0, 1, 1, 2, 3])
+    for _ in range(arrivals):
+        ledger.added.append(h.add_request(_soak_request(rng, len(ledger.added))).rid)
+    if h.cfg.hicache and rng.random() < 0.08:
+        # Push what is cached on device back to host (write-through keeps a copy), so later
+        # requests for the shared prefixes are loaded back: rounds with an H2D load.
+        total = h.token_to_kv_pool_allocator.size
+        h.tree_cache.evict(EvictParams(num_tokens=total, mamba_num=total if h.cfg.mamba else 0))
+    queued_before = [r.rid for r in sched.waiting_queue]
+    chunked_before = sched.chunked_req
+    loads_before = _h2d_count(h)
+    with _maybe_miss(h, rng, cfg) as reported:
+        batch = h.run_round()
+    ledger.misses += len(reported)
+    if batch is None:
+        if reported:
+            ledger.unwinds += 1
+            assert _num_unwinds(h) == ledger.unwinds
+            # Same requests queued, same order (the unwound ones went back to the head).
+            assert sorted(r.rid for r in sched.waiting_queue) == sorted(queued_before)
+            assert sched.chunked_req is chunked_before
+            queued_long = any(len(r.origin_input_ids) > CHUNK for r in sched.waiting_queue[:8])
+            ledger.unwinds_with_chunk += chunked_before is not None or queued_long
+            ledger.unwinds_with_load += _h2d_count(h) > loads_before
+        return
+    assert not reported, "a reported miss must unwind the round"
+    if batch.hicache_consumer_index >= 0:
+        ledger.rounds_with_load += 1
+    for req in batch.reqs:
+        if req is not sched.chunked_req:
+            ledger.finish(h, req)
+
+
+def _soak_idle_check(h: sh.Harness, ledger: SoakLedger) -> None:
+    _drain_ledger(h, ledger)
+    h.prepare_next_round()  # loads landed and acknowledged: nothing locked by an ongoing op
+    assert h.tree_cache.protected_size() == 0, "a lock leaked"
+    assert h.idle_leak_report() == [], "a slot leaked"
+    h.tree_cache.sanity_check()
+
+
+def _drain_ledger(h: sh.Harness, ledger: SoakLedger) -> None:
+    sched = h.scheduler
+    for _ in range(200):
+        if not sched.waiting_queue and sched.chunked_req is None:
+            return
+        h.prepare_next_round()
+        batch = h.run_round()
+        assert batch is not None
+        for req in batch.reqs:
+            if req is not sched.chunked_req:
+                ledger.finish(h, req)
+    raise AssertionError("soak queue not drained")
+
+
+@pytest.mark.parametrize("cfg", SOAK_CONFIGS.values(), ids=SOAK_CONFIGS.keys())
+def test_randomized_soak(cfg: SoakConfig) -> None:
+    rng = random.Random(20260529)
+    ledger = SoakLedger()
+    with sh.build_harness(**cfg.config, chunked_prefill_size=CHUNK) as h:
+        for i, prefix in enumerate(SOAK_PREFIXES):
+            if h.cfg.hicache and i < 2:
+                h.put_prefix_on_host(prefix)
+            else:
+                h.cache_prefix(prefix)
+        logging.getLogger(SCHEDULER_LOGGER).disabled = True  # one warning per unwind: thousands
+        try:
+            for round_no in range(cfg.rounds):
+                _soak_round(h, rng, cfg, ledger)
+                if round_no % 100 == 99:
+                    _soak_idle_check(h, ledger)
+            _soak_idle_check(h, ledger)
+        finally:
+            logging.getLogger(SCHEDULER_LOGGER).disabled = False
+    # Every request ended scheduled exactly once; none is lost, none duplicated.
+    assert sorted(ledger.finished) == sorted(ledger.added)
+    # The soak did exercise what it is for.
+    assert ledger.unwinds > 100 and ledger.unwinds_with_chunk > 20, ledger
+    if h.cfg.hicache:
+        assert ledger.rounds_with_load > 10 and ledger.unwinds_with_load > 5, ledger

@@ -1,0 +1,51 @@
+"""On a real GPU: the unwind's wait blocks on the batch's real CUDA finish_event, and only on it.
+
+Run by ci/gpu-check (`-m gpu`); skipped where CUDA is absent. The CPU tests fake the device
+event; this checks the same method against torch.cuda events and a busy copy stream.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BUSY_CYCLES = 500_000_000  # a few hundred ms of device time standing in for the layer copies
+
+
+def test_unwind_waits_for_the_real_finish_event_of_its_own_slot() -> None:
+    from sglang.srt.managers.cache_controller import LayerDoneCounter
+    from sglang.srt.managers.scheduler import Scheduler
+
+    counter = LayerDoneCounter(num_layers=2)
+    copy_stream = torch.cuda.Stream()
+    with torch.cuda.stream(copy_stream):
+        counter.events[2].complete(0)
+        counter.events[2].complete(1)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copy_stream):
+        torch.cuda._sleep(BUSY_CYCLES)
+        counter.events[0].complete(0)
+        counter.events[0].complete(1)
+    assert not counter.events[0].finish_event.query(), "the load must still be in flight"
+
+    # Only the attributes _wait_for_batch_host_load reads: the controller's real LayerDoneCounter.
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.enable_hierarchical_cache = True
+    scheduler.tree_cache = SimpleNamespace(
+        linker=None, cache_controller=SimpleNamespace(layer_done_counter=counter)
+    )
+    started = time.perf_counter()
+    scheduler._wait_for_batch_host_load(SimpleNamespace(hicache_consumer_index=0))
+    waited = time.perf_counter() - started
+
+    assert counter.events[0].finish_event.query()
+    assert waited > 0.01, "the wait returned before the copy stream finished"
+    scheduler._wait_for_batch_host_load(SimpleNamespace(hicache_consumer_index=-1))
