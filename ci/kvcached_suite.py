@@ -1,0 +1,79 @@
+"""Run kvcached's own test suite (shipped in its sdist) on pristine and patched kvcached, on CPU,
+and compare the failure sets: the patched run must add no failure.
+
+    .venv-test/bin/python ci/kvcached_suite.py [--version 0.1.6]
+
+Some of the suite needs a GPU, kvcached's compiled extension or vllm, so both runs fail the same
+tests on CPU; what matters is the difference. Exit 1 when the patched tree fails a test the
+pristine tree passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKOUT = ROOT / "upstream" / "kvcached"
+OUTCOME = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+def worktree(name: str, ref: str) -> Path:
+    path = ROOT / "build" / "kvcached-suite" / name
+    if path.exists():
+        subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "remove", "--force", str(path)], check=False)
+    subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "prune"], check=True)
+    subprocess.run(
+        ["git", "-C", str(CHECKOUT), "worktree", "add", "--quiet", "--detach", str(path), ref], check=True
+    )
+    return path
+
+
+def failures(tree: Path) -> tuple[set[str], str]:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rfE",
+            "--continue-on-collection-errors",
+            "tests",
+        ],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "no output"
+    return {match.group(2) for match in OUTCOME.finditer(result.stdout)}, summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", default="0.1.6")
+    args = parser.parse_args()
+    runs = {}
+    for name, ref in (("pristine", f"upstream/{args.version}"), ("patched", f"carry/{args.version}")):
+        print(f"kvcached-suite: running kvcached's tests on {name} ({ref})", flush=True)
+        runs[name] = failures(worktree(name, ref))
+        print(f"kvcached-suite: {name}: {runs[name][1]} ({len(runs[name][0])} failing ids)", flush=True)
+    added = sorted(runs["patched"][0] - runs["pristine"][0])
+    fixed = sorted(runs["pristine"][0] - runs["patched"][0])
+    print(f"kvcached-suite: failures added by the patches: {len(added)}; removed: {len(fixed)}")
+    for node in added:
+        print(f"  added: {node}")
+    return 1 if added else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
