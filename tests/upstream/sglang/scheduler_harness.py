@@ -22,6 +22,12 @@ Fakes sit only at the hardware / I-O boundary:
   is swapped for upstream's own torch port `alloc_extend_naive` (what the NPU allocator runs).
 - `cudaHostRegister` of the HiCache host pools (page-locking) is a no-op; the buffers are real.
 - `Harness.arm_miss()` makes one real pool report a miss (its alloc returns None).
+- `FakeCacheLinker` can be set as `tree_cache.linker`: the external cache linker is I/O (it loads
+  on its own thread from a remote store).
+
+Between rounds, `Harness.prepare_next_round()` does what the event loop does before the next round
+(HiCache event polling, caching the chunked request's last chunk, clearing batch_is_full once
+requests finished) and `finish_request()` releases a request as the result processor does.
 
 Line numbers in comments are for python/sglang/srt/managers/scheduler.py at 0.5.20 unless named.
 """
@@ -574,7 +580,7 @@ class Harness:
         `SchedulerPoolStatsObserver` and `SchedulerInvariantChecker._check_all_pools`
         (available + evictable + protected + session-held == total, for the KV pool and, with
         mamba, the Mamba pool) and the row count of `_check_req_pool`, as
-        `Scheduler.self_check_during_idle` runs them (scheduler.py:4878-4893). Returns the
+        `Scheduler.self_check_during_idle` runs them (scheduler.py:4752-4768 at 0.5.20). Returns the
         problems found; empty when nothing leaked. Call it when idle: no request holds pool
         memory outside the tree or a session."""
         sched = self.scheduler

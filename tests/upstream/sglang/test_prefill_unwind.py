@@ -606,18 +606,18 @@ SOAK_CONFIGS = {
     "hicache_mamba_ping_pong": SoakConfig(
         {"hicache": True, **PING_PONG, "kv_tokens": 1024, "req_rows": 8, "mamba_slots": 48},
         ("req_rows", "token_slots", "mamba_slot", "ping_pong"),
-        1500,
+        1200,
     ),
     "hicache_page4": SoakConfig(
         {"hicache": True, "page_size": 4, "kv_tokens": 1024, "req_rows": 8},
         ("req_rows", "paged_extend"),
-        1500,
+        1200,
     ),
     # Three rows: admission often fills them and marks the running batch full.
     "mamba_3_rows": SoakConfig(
         {**MAMBA, "kv_tokens": 1024, "req_rows": 3, "mamba_slots": 48},
         ("req_rows", "token_slots", "mamba_slot"),
-        1000,
+        800,
     ),
 }
 SOAK_PREFIXES = [list(range(100 + 40 * i, 132 + 40 * i)) for i in range(4)]  # 32 tokens each
@@ -747,6 +747,6 @@ def test_randomized_soak(cfg: SoakConfig) -> None:
     # Every request ended scheduled exactly once; none is lost, none duplicated.
     assert sorted(ledger.finished) == sorted(ledger.added)
     # The soak did exercise what it is for.
-    assert ledger.unwinds > 100 and ledger.unwinds_with_chunk > 20, ledger
+    assert ledger.unwinds > 50 and ledger.unwinds_with_chunk > 20, ledger
     if h.cfg.hicache:
         assert ledger.rounds_with_load > 10 and ledger.unwinds_with_load > 5, ledger

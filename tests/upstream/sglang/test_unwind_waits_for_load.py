@@ -61,13 +61,13 @@ class Unwound(NamedTuple):
 
     entries: list[tuple[str, str]]
     consumer: int  # the batch's hicache_consumer_index
-    finish_event: str  # name of that slot's finish_event, e.g. "load2.layer1" (-1: none)
+    finish_event: str  # name of that slot's finish_event, e.g. "load2.layer1" ("": no load)
     load_start: int  # log position of the load's start record (-1: no load)
 
 
 def _advance_ring(h: sh.Harness, loads: int) -> None:
     """Run `loads` earlier rounds that each start (and complete) a host load, so the next load
-    takes LayerDoneCounter slot `loads` (the ring has 3 slots, cache_controller.py:73-86)."""
+    takes LayerDoneCounter slot `loads` (the ring has 3 slots, cache_controller.py:72-86)."""
     for i in range(loads):
         h.put_prefix_on_host(_host_prefix(i))
         req = h.add_request([*_host_prefix(i), 1, 2, 3])
@@ -104,6 +104,13 @@ def _waits(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
 def _releases_after(entries: list[tuple[str, str]], start: int) -> list[tuple[int, str, str]]:
     """The lock releases and Mamba frees logged after position `start`, with their positions."""
     return [(i, op, detail) for i, (op, detail) in enumerate(entries) if i > start and op in RELEASES]
+
+
+def _wait_position(unwound: Unwound) -> int:
+    """Where the unwind waited on its load's finish_event."""
+    wait = ("synchronize", unwound.finish_event)
+    assert wait in unwound.entries, f"the unwind never waited on load {unwound.consumer}: {unwound.entries}"
+    return unwound.entries.index(wait)
 
 
 def _freed_slots(detail: str) -> set[int]:
@@ -188,7 +195,7 @@ def test_nothing_the_load_touches_is_released_before_it_lands(name: str, ring_sl
         targets = h.mamba_load_targets()
         if h.cfg.mamba:
             assert targets, "the load writes the node's and the request's Mamba slots"
-        wait = unwound.entries.index(("synchronize", unwound.finish_event))
+        wait = _wait_position(unwound)
 
         releases = _releases_after(unwound.entries, unwound.load_start)
         locks = [(i, detail) for i, op, detail in releases if op == "dec_lock_ref"]
@@ -240,7 +247,7 @@ def test_nothing_released_before_the_wait(case: StrictCase) -> None:
         with mock.patch.object(pool, "alloc", alloc):
             unwound = _unwind_with_load(h, case.site, after=case.after)
         targets = h.mamba_load_targets()
-        wait = unwound.entries.index(("synchronize", unwound.finish_event))
+        wait = _wait_position(unwound)
 
         inside_failed_alloc: set[int] = set()
         begin = -1
