@@ -32,7 +32,9 @@ CONFIGS = {
 HOST_PREFIX = list(range(100, 132))
 
 WORKER = r"""
-import json, logging, sys, time
+import json, logging, os, sys, time
+# Both workers on the same core, one running at a time: no migration, same caches.
+os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
 sys.path.insert(0, sys.argv[1])
 import scheduler_harness as sh
 logging.disable(logging.WARNING)
@@ -96,8 +98,8 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", default="0.5.20")
-    parser.add_argument("--rounds", type=int, default=3000, help="timed rounds per tree")
-    parser.add_argument("--block", type=int, default=100, help="rounds per alternating block")
+    parser.add_argument("--rounds", type=int, default=4000, help="timed rounds per tree")
+    parser.add_argument("--block", type=int, default=25, help="rounds per alternating block")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="mamba")
     args = parser.parse_args()
@@ -119,7 +121,7 @@ def main() -> int:
                 samples[name].extend(run_block(workers[name], args.block))
             order.reverse()
             done = len(samples["patched"])
-            if done % (args.block * 10) == 0:
+            if done % 1000 == 0:
                 elapsed = time.monotonic() - started
                 print(f"bench: {done}/{args.rounds} rounds per tree ({elapsed:.0f} s)", flush=True)
     finally:
