@@ -17,20 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_carry.git import Git
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKOUT = ROOT / "upstream" / "kvcached"
 OUTCOME = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
 def worktree(name: str, ref: str) -> Path:
-    path = ROOT / "build" / "kvcached-suite" / name
-    if path.exists():
-        subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "remove", "--force", str(path)], check=False)
-    subprocess.run(["git", "-C", str(CHECKOUT), "worktree", "prune"], check=True)
-    subprocess.run(
-        ["git", "-C", str(CHECKOUT), "worktree", "add", "--quiet", "--detach", str(path), ref], check=True
-    )
-    return path
+    return Git(CHECKOUT).fresh_worktree(ROOT / "build" / "kvcached-suite" / name, ref)
 
 
 def failures(tree: Path) -> tuple[set[str], str]:

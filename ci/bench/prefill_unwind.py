@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from sglang_carry.git import Git
+
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_DIR = ROOT / "tests" / "upstream" / "sglang"
 CONFIGS = {
@@ -61,15 +63,8 @@ for line in sys.stdin:
 
 
 def worktree(tree: str, ref: str) -> Path:
-    path = ROOT / "build" / "bench" / tree
-    checkout = ROOT / "upstream" / "sglang"
-    if path.exists():
-        subprocess.run(["git", "-C", str(checkout), "worktree", "remove", "--force", str(path)], check=False)
-    subprocess.run(["git", "-C", str(checkout), "worktree", "prune"], check=True)
-    subprocess.run(
-        ["git", "-C", str(checkout), "worktree", "add", "--quiet", "--detach", str(path), ref], check=True
-    )
-    return path / "python"
+    checkout = Git(ROOT / "upstream" / "sglang")
+    return checkout.fresh_worktree(ROOT / "build" / "bench" / tree, ref) / "python"
 
 
 def start_worker(tree: Path, config: dict[str, object]) -> subprocess.Popen[str]:

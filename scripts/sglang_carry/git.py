@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tarfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -98,6 +99,15 @@ class Git:
             status, path = line.split("\t", 1)
             rows.append((status[0], path))
         return rows
+
+    def fresh_worktree(self, path: Path, ref: str) -> Path:
+        """A detached worktree of ``ref`` at ``path``, replacing whatever was left there."""
+        if path.exists():
+            self.run("worktree", "remove", "--force", str(path), check=False)
+            shutil.rmtree(path, ignore_errors=True)
+        self.run("worktree", "prune")
+        self.run("worktree", "add", "--quiet", "--detach", str(path), ref)
+        return path
 
     def read_files(self, ref: str, paths: Sequence[str], scratch: Path) -> dict[str, bytes]:
         """Bytes of ``paths`` at ``ref``, through git archive so binary content survives."""

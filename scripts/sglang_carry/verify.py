@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,13 +59,7 @@ class TreeTester:
 
     def tree(self, commit: str) -> Path:
         if commit not in self.trees:
-            path = self.base / commit[:12]
-            if path.exists():
-                self.git.run("worktree", "remove", "--force", str(path), check=False)
-                shutil.rmtree(path, ignore_errors=True)
-            self.git.run("worktree", "prune")
-            self.git.run("worktree", "add", "--quiet", "--detach", str(path), commit)
-            self.trees[commit] = path
+            self.trees[commit] = self.git.fresh_worktree(self.base / commit[:12], commit)
         return self.trees[commit]
 
     def outcome(self, commit: str, tests: list[str]) -> str:
