@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 
 from .errors import CarryError
 from .fetch import check_hash
+from .git import Git
 from .patching import open_checkout, require_branch_matches
 from .pins import select_file
 from .project import Project, Target
@@ -230,8 +231,7 @@ def artifact_name(source: Path, local_version: str) -> str:
     return f"{stem.rsplit('-', 1)[0]}-{local_version}.tar.gz"
 
 
-def collect_changes(project: Project, target: Target, runner: Runner) -> Changes:
-    git = open_checkout(project, target, runner)
+def collect_changes(project: Project, target: Target, git: Git) -> Changes:
     subdir = target.upstream.source_subdir
     prefix = f"{subdir}/" if subdir else ""
     rows = git.changed_paths(target.upstream_tag, target.branch, [subdir] if subdir else [])
@@ -256,7 +256,7 @@ def build(project: Project, target: Target, runner: Runner = run_subprocess) -> 
         raise CarryError(f"{pinned.filename} is not downloaded: run `carry fetch` first")
     check_hash(source, pinned, "cached download")
     local_version = f"{target.version}+carry.{series.revision}"
-    changes = collect_changes(project, target, runner)
+    changes = collect_changes(project, target, git)
     record = provenance(target, series, source, pinned.sha256, local_version, changes)
     final = project.dist_dir / artifact_name(source, local_version)
     project.scratch_dir.mkdir(parents=True, exist_ok=True)
