@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import shutil
 import sys
 import tarfile
 import tempfile
@@ -16,6 +15,7 @@ from packaging.utils import parse_wheel_filename
 from .errors import CarryError
 from .git import PRISTINE_AUTHOR, Git
 from .pins import PinnedFile, select_file
+from .progress import Stopwatch, megabytes
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 
@@ -65,40 +65,71 @@ def pip_download_args(pinned: PinnedFile, dest: Path, name: str, version: str) -
 
 
 def download(project: Project, target: Target, pinned: PinnedFile, runner: Runner) -> Path:
-    """The pinned file in the download cache, fetched if absent; never used unless its hash matches."""
+    """The pinned file in the download cache, fetched if absent or not matching its pin (an
+    interrupted download, say); never used, and never replaced, unless the new file's hash matches."""
     cached = project.downloads_dir / pinned.filename
     if cached.exists():
-        check_hash(cached, pinned, "cached download")
-        return cached
+        actual = sha256_of(cached)
+        if actual == pinned.sha256:
+            print(f"fetch: {pinned.filename}: cached, sha256 ok")
+            return cached
+        print(
+            f"fetch: cached {pinned.filename} has sha256 {actual[:16]}…, not the pinned "
+            f"{pinned.sha256[:16]}… (an interrupted download?): downloading it again",
+            flush=True,
+        )
     project.downloads_dir.mkdir(parents=True, exist_ok=True)
+    watch = Stopwatch()
     with tempfile.TemporaryDirectory(dir=project.downloads_dir, prefix=".incoming-") as tmp:
         incoming = Path(tmp)
         print(f"fetch: downloading {pinned.filename}", flush=True)
         if pinned.is_wheel:
-            result = runner(pip_download_args(pinned, incoming, target.name, target.version))
-            if result.returncode != 0:
-                last = result.output.splitlines()[-1] if result.output else "no output"
-                raise CarryError(
-                    f"pip could not download {pinned.filename} ({last}): check the network and the pin"
-                )
+            _pip_download(target, pinned, incoming, runner)
         else:
-            if not pinned.url:
-                raise CarryError(f"{pinned.filename} has no url in upstream/{target.name}.toml: add one")
-            try:
-                with (
-                    urllib.request.urlopen(pinned.url, timeout=120) as response,
-                    (incoming / pinned.filename).open("wb") as out,
-                ):
-                    shutil.copyfileobj(response, out)
-            except OSError as exc:
-                raise CarryError(f"cannot download {pinned.url} ({exc}): check the network") from exc
+            _url_download(target, pinned, incoming)
         fetched = incoming / pinned.filename
         if not fetched.exists():
             found = ", ".join(p.name for p in incoming.iterdir()) or "nothing"
             raise CarryError(f"download of {pinned.filename} produced {found}: check the pin's filename")
         check_hash(fetched, pinned, "downloaded")
+        size = fetched.stat().st_size
         fetched.replace(cached)
+    print(f"fetch: {pinned.filename}: downloaded {megabytes(size)}, sha256 ok ({watch})")
     return cached
+
+
+def _pip_download(target: Target, pinned: PinnedFile, incoming: Path, runner: Runner) -> None:
+    # On a terminal pip draws its own progress bar; elsewhere (CI logs) its output is kept for the
+    # error line instead.
+    interactive = sys.stderr.isatty()
+    args = pip_download_args(pinned, incoming, target.name, target.version)
+    result = runner(args, capture=not interactive)
+    if result.returncode != 0:
+        last = result.output.splitlines()[-1] if result.output else "pip's message is above"
+        raise CarryError(f"pip could not download {pinned.filename} ({last}): check the network and the pin")
+
+
+def _url_download(target: Target, pinned: PinnedFile, incoming: Path) -> None:
+    if not pinned.url:
+        raise CarryError(f"{pinned.filename} has no url in upstream/{target.name}.toml: add one")
+    interactive = sys.stdout.isatty()
+    try:
+        with (
+            urllib.request.urlopen(pinned.url, timeout=120) as response,
+            (incoming / pinned.filename).open("wb") as out,
+        ):
+            total = int(response.headers.get("Content-Length") or 0)
+            done = 0
+            for block in iter(lambda: response.read(1 << 20), b""):
+                out.write(block)
+                done += len(block)
+                if interactive:
+                    of_total = f" of {megabytes(total)}" if total else ""
+                    print(f"\rfetch: {pinned.filename}: {megabytes(done)}{of_total}", end="", flush=True)
+            if interactive:
+                print()
+    except OSError as exc:
+        raise CarryError(f"cannot download {pinned.url} ({exc}): check the network") from exc
 
 
 def extract_pristine(artifact: Path, tree: Path, source_subdir: str) -> None:
@@ -111,7 +142,7 @@ def extract_pristine(artifact: Path, tree: Path, source_subdir: str) -> None:
                 top = PurePosixPath(info.filename).parts[0]
                 if top.endswith(".dist-info") or info.is_dir():
                     continue
-                destination = root / info.filename
+                destination = _inside(root, info.filename, artifact)
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 destination.write_bytes(wheel.read(info))
                 mode = (info.external_attr >> 16) & 0o777
@@ -127,6 +158,19 @@ def extract_pristine(artifact: Path, tree: Path, source_subdir: str) -> None:
             sdist.extract(member, root, filter="data")
 
 
+def _inside(root: Path, member: str, artifact: Path) -> Path:
+    """Where a zip member goes, refused if it would land outside ``root`` (what tarfile's
+    filter="data" does for the sdist branch)."""
+    relative = PurePosixPath(member)
+    destination = (root / relative).resolve()
+    if relative.is_absolute() or ".." in relative.parts or not destination.is_relative_to(root.resolve()):
+        raise CarryError(
+            f"{artifact.name} holds {member}, which would unpack outside the checkout: refusing it; "
+            "check the pin and the file"
+        )
+    return destination
+
+
 def lay_checkout(project: Project, target: Target, artifact: Path, runner: Runner) -> str:
     """Record the pristine tree as tag ``upstream/<version>`` in ``upstream/<name>/``."""
     repo = project.checkout(target.name)
@@ -138,6 +182,8 @@ def lay_checkout(project: Project, target: Target, artifact: Path, runner: Runne
         (repo / ".git" / "info" / "exclude").write_text(IGNORED_IN_CHECKOUT)
     if git.rev(target.upstream_tag):
         return f"{target.label}: checkout has {target.upstream_tag}"
+    watch = Stopwatch()
+    print(f"fetch: laying down {target.upstream_tag} in upstream/{target.name}", flush=True)
     project.scratch_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=project.scratch_dir, prefix="pristine-") as tmp:
         tree = Path(tmp) / "tree"
@@ -156,7 +202,7 @@ def lay_checkout(project: Project, target: Target, artifact: Path, runner: Runne
     git.run("tag", target.upstream_tag, commit)
     if git.rev("HEAD") is None:
         git.run("checkout", "--quiet", "-B", target.branch, target.upstream_tag)
-    return f"{target.label}: laid {target.upstream_tag} from {artifact.name}"
+    return f"{target.label}: laid {target.upstream_tag} from {artifact.name} ({watch})"
 
 
 def _previous_upstream(git: Git, target: Target) -> str | None:
@@ -176,6 +222,5 @@ def fetch(project: Project, targets: list[Target], runner: Runner = run_subproce
     for target in targets:
         pinned = select_file(target.release)
         artifact = download(project, target, pinned, runner)
-        print(f"fetch: {pinned.filename} sha256 ok")
         print(f"fetch: {lay_checkout(project, target, artifact, runner)}")
     return 0

@@ -5,19 +5,24 @@ from __future__ import annotations
 import shutil
 import tarfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CarryError
 from .runner import Completed, Runner, run_subprocess
 
 # Fixed identities and settings so that the same inputs give the same commits and the same
-# exported bytes on every machine, whatever the user's git configuration says.
+# exported bytes on every machine, whatever the user's git configuration says. The locale is
+# fixed too: the tool reads git's state through exit codes and plumbing, and the messages it
+# passes on to the user are then the ones this README documents.
 CARRY_IDENTITY = {
     "GIT_COMMITTER_NAME": "sglang-carry",
     "GIT_COMMITTER_EMAIL": "sglang-carry@localhost",
     "GIT_CONFIG_NOSYSTEM": "1",
     "GIT_CONFIG_GLOBAL": "/dev/null",
     "GIT_TERMINAL_PROMPT": "0",
+    "LC_ALL": "C",
+    "LANGUAGE": "",
 }
 PRISTINE_AUTHOR = {
     "GIT_AUTHOR_NAME": "upstream",
@@ -47,6 +52,44 @@ STABLE_CONFIG = (
 )
 
 
+# At most this many of git's error lines go into the one-line message the user sees.
+_MAX_DETAIL_LINES = 3
+
+
+def summarize_git_output(output: str) -> str:
+    """One line from git's output that keeps the lines naming files (git's `error:`/`fatal:`
+    lines) and git's closing advice, instead of only the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if not lines:
+        return "no output"
+    kept = [line for line in lines if line.startswith(("fatal:", "error:"))][:_MAX_DETAIL_LINES]
+    if lines[-1] not in kept:
+        kept.append(lines[-1])
+    return " / ".join(kept)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A git operation that stopped half way and waits for the user (see `operation_in_progress`)."""
+
+    name: str
+    resume: str
+    abort: str
+
+    def describe(self, where: str) -> str:
+        return (
+            f"a git {self.name} is in progress in {where}: "
+            f"finish it (`{self.resume}`) or abort it (`{self.abort}`)"
+        )
+
+
+_AM = Operation("am", "git am --continue", "git am --abort")
+_REBASE = Operation("rebase", "git rebase --continue", "git rebase --abort")
+_MERGE = Operation("merge", "git commit", "git merge --abort")
+_CHERRY_PICK = Operation("cherry-pick", "git cherry-pick --continue", "git cherry-pick --abort")
+_REVERT = Operation("revert", "git revert --continue", "git revert --abort")
+
+
 class Git:
     def __init__(self, repo: Path, runner: Runner = run_subprocess) -> None:
         self.repo = repo
@@ -62,12 +105,11 @@ class Git:
         full_env = {**CARRY_IDENTITY, **(env or {})}
         result = self.runner(["git", *STABLE_CONFIG, *args], cwd=self.repo, env=full_env, stdin=stdin)
         if check and result.returncode != 0:
-            detail = result.output.splitlines()[-1] if result.output else "no output"
-            raise CarryError(f"git {args[0]} failed in {self.repo}: {detail}")
+            raise CarryError(f"git {args[0]} failed in {self.repo}: {summarize_git_output(result.output)}")
         return result
 
-    def out(self, *args: str, env: Mapping[str, str] | None = None) -> str:
-        return self.run(*args, env=env).stdout.strip()
+    def out(self, *args: str, env: Mapping[str, str] | None = None, stdin: str | None = None) -> str:
+        return self.run(*args, env=env, stdin=stdin).stdout.strip()
 
     def exists(self) -> bool:
         return (self.repo / ".git").exists()
@@ -84,8 +126,60 @@ class Git:
         status = self.run("status", "--porcelain", "--untracked-files=all").stdout
         return [line[3:] for line in status.splitlines() if line]
 
-    def am_in_progress(self) -> bool:
-        return (self.repo / ".git" / "rebase-apply").exists()
+    def git_path(self, name: str) -> Path:
+        """Where git keeps ``name`` for this checkout (worktree-aware: never a hard-coded .git/)."""
+        return self.repo / self.out("rev-parse", "--git-path", name)
+
+    def operation_in_progress(self) -> Operation | None:
+        """The am, rebase, merge, cherry-pick or revert that stopped here, if any."""
+        apply_dir = self.git_path("rebase-apply")
+        if apply_dir.is_dir():
+            # git am and the apply backend of git rebase share rebase-apply/; am leaves "applying".
+            return _AM if (apply_dir / "applying").exists() else _REBASE
+        if self.git_path("rebase-merge").is_dir():
+            return _REBASE
+        if self.git_path("MERGE_HEAD").exists():
+            return _MERGE
+        if self.git_path("CHERRY_PICK_HEAD").exists():
+            return _CHERRY_PICK
+        if self.git_path("REVERT_HEAD").exists():
+            return _REVERT
+        sequencer_todo = self.git_path("sequencer") / "todo"
+        if sequencer_todo.exists():
+            first = sequencer_todo.read_text().split(maxsplit=1)
+            return _REVERT if first and first[0] in ("revert", "r") else _CHERRY_PICK
+        return None
+
+    def is_ancestor(self, ancestor: str, descendant: str) -> bool:
+        result = self.run("merge-base", "--is-ancestor", ancestor, descendant, check=False)
+        if result.returncode not in (0, 1):
+            raise CarryError(f"git merge-base failed in {self.repo}: {summarize_git_output(result.output)}")
+        return result.returncode == 0
+
+    def nearest_tag(self, ref: str, pattern: str) -> str | None:
+        """The closest tag matching ``pattern`` that ``ref`` descends from."""
+        result = self.run("describe", "--tags", "--abbrev=0", "--match", pattern, ref, check=False)
+        return result.stdout.strip() or None if result.returncode == 0 else None
+
+    def unmerged_paths(self) -> list[str]:
+        return self.out("diff", "--name-only", "--diff-filter=U").splitlines()
+
+    def current_patch_paths(self) -> list[str]:
+        """Files the patch git am stopped at touches (read from the patch, not from messages)."""
+        patch = self.run("am", "--show-current-patch=diff", check=False)
+        if patch.returncode != 0 or not patch.stdout.strip():
+            return []
+        numstat = self.run("apply", "--numstat", "-z", "-", stdin=patch.stdout, check=False)
+        paths = []
+        for record in numstat.stdout.split("\0"):
+            fields = record.split("\t", 2)
+            if len(fields) == 3 and fields[2]:
+                paths.append(fields[2])
+        return paths
+
+    def state_file(self, name: str) -> Path:
+        """A file of the tool's own inside this checkout's git directory."""
+        return self.git_path(f"sglang-carry/{name}")
 
     def commits(self, base: str, tip: str) -> list[str]:
         listing = self.out("rev-list", "--reverse", f"{base}..{tip}")

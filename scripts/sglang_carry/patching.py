@@ -1,26 +1,27 @@
 """Move a series between patches/ and the checkout's ``carry/<version>`` branch, with git am and
-git format-patch doing the work."""
+git format-patch doing the work, and the checks that keep either side from losing work."""
 
 from __future__ import annotations
 
-import re
-import shutil
 import tempfile
 from pathlib import Path
 
 from .errors import CarryError
-from .git import Git
+from .files import write_atomically
+from .git import Git, summarize_git_output
+from .progress import Stopwatch
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 from .series import (
+    CARRIES_NOTHING_FILE,
     REVISION_FILE,
     SERIES_FILE,
-    Entry,
     Series,
-    read_revision,
+    SeriesFolder,
+    contents_digest,
+    read_series_folder,
     render_revision_file,
     render_series_file,
-    series_digest,
 )
 
 # format-patch writes an empty file for a commit with no diff; an Applied-Upstream entry is such a
@@ -39,19 +40,177 @@ FORMAT_PATCH_ARGS = (
     "--no-notes",
     "--no-thread",
 )
-_FAILED_PATH = re.compile(r"^error: (?:patch failed: )?([^:\s]+)(?::\d+)?", re.MULTILINE)
+
+# Branch states, as `branch_state` reports them.
+MISSING, NOT_DESCENDING, MATCHES, DIFFERS = "missing", "not-descending", "matches", "differs"
 
 
-def open_checkout(project: Project, target: Target, runner: Runner) -> Git:
+# --- Checks on the checkout, shared by every command that reads or rewrites a carry branch. ---
+
+
+def open_checkout(project: Project, target: Target, runner: Runner, command: str) -> Git:
+    """The checkout of ``target``, refused while a git operation there waits for the user."""
     git = Git(project.checkout(target.name), runner)
     if not git.exists() or git.rev(target.upstream_tag) is None:
         raise CarryError(f"no checkout of {target.label} in upstream/{target.name}: run `carry fetch` first")
-    if git.am_in_progress():
+    require_no_operation(git, target, command)
+    return git
+
+
+def require_no_operation(git: Git, target: Target, command: str) -> None:
+    operation = git.operation_in_progress()
+    if operation is not None:
         raise CarryError(
-            f"upstream/{target.name} is in the middle of git am: fix it and run `git am --continue` "
-            "there, then `carry export`; or `git am --abort`"
+            f"{operation.describe(f'upstream/{target.name}')}, "
+            f"then run `{command}` again; nothing was changed"
+        )
+
+
+def require_clean(git: Git, target: Target, command: str) -> None:
+    dirty = git.dirty_paths()
+    if dirty:
+        more = f" and {len(dirty) - 1} more" if len(dirty) > 1 else ""
+        raise CarryError(
+            f"upstream/{target.name} has uncommitted changes ({dirty[0]}{more}): commit them on "
+            f"{target.branch} or stash them, then run `{command}` again; nothing was changed"
+        )
+
+
+def require_branch(git: Git, target: Target) -> None:
+    if git.rev(target.branch) is None:
+        raise CarryError(f"upstream/{target.name} has no branch {target.branch}: run `carry apply`")
+
+
+def require_descends(git: Git, target: Target, command: str) -> None:
+    """The branch must contain its upstream tag; otherwise its diff against the tag would also
+    undo everything upstream changed since whatever the branch is really based on."""
+    if git.is_ancestor(target.upstream_tag, target.branch):
+        return
+    base = git.nearest_tag(target.branch, "upstream/*")
+    how = (
+        f"it is based on {base}: `git rebase --onto {target.upstream_tag} {base} {target.branch}`"
+        if base
+        else f"rebase it onto {target.upstream_tag}"
+    )
+    raise CarryError(
+        f"{target.branch} in upstream/{target.name} does not descend from {target.upstream_tag} ({how}, "
+        f"or rebuild it from patches/ with `carry apply`), then run `{command}` again; nothing was changed"
+    )
+
+
+def branch_state(git: Git, target: Target, series: Series, scratch: Path) -> str:
+    """MISSING, NOT_DESCENDING, MATCHES (exporting it now reproduces the series byte for byte) or
+    DIFFERS."""
+    if git.rev(target.branch) is None:
+        return MISSING
+    if not git.is_ancestor(target.upstream_tag, target.branch):
+        return NOT_DESCENDING
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="compare-") as tmp:
+        names = export_branch(git, target, Path(tmp))
+        if names != [entry.filename for entry in series.entries]:
+            return DIFFERS
+        same = all(
+            (Path(tmp) / name).read_bytes() == (series.directory / name).read_bytes() for name in names
+        )
+    return MATCHES if same else DIFFERS
+
+
+def require_line_ready(project: Project, target: Target, series: Series, runner: Runner, command: str) -> Git:
+    """Everything `carry build` and `carry verify` need before they trust the branch: a series
+    (or a line that carries nothing on purpose), recorded, and a branch on the right upstream
+    that reproduces it exactly."""
+    series.require_something_to_carry("a build" if command == "carry build" else "verifying it")
+    series.require_current_revision()
+    git = open_checkout(project, target, runner, command)
+    state = branch_state(git, target, series, project.scratch_dir)
+    if state == MISSING:
+        require_branch(git, target)
+    if state == NOT_DESCENDING:
+        require_descends(git, target, command)
+    if state == DIFFERS:
+        raise CarryError(
+            f"{target.branch} in upstream/{target.name} differs from {series.label}: "
+            "run `carry export` to keep the branch, or `carry apply` to rebuild it from patches/"
         )
     return git
+
+
+# --- patches/ -> branch ---
+
+
+def apply(project: Project, target: Target, runner: Runner = run_subprocess) -> int:
+    watch = Stopwatch()
+    git = open_checkout(project, target, runner, "carry apply")
+    series = project.series(target.release, runner)
+    old_tip = git.rev(target.branch)
+    if old_tip and branch_state(git, target, series, project.scratch_dir) == MATCHES:
+        if git.current_branch() != target.branch:
+            require_clean(git, target, "carry apply")
+            git.run("checkout", "--quiet", target.branch)
+        print(f"apply: {target.label}: {target.branch} already carries {series.label}")
+        return 0
+    require_clean(git, target, "carry apply")
+    if old_tip and old_tip != git.rev(target.upstream_tag):
+        backup = f"carry-backup/{target.version}/{old_tip[:12]}"
+        git.run("branch", "--force", backup, old_tip)
+        print(f"apply: kept the previous {target.branch} as {backup}")
+    _record_applied(git, target, series)
+    git.run("checkout", "--quiet", "-B", target.branch, target.upstream_tag)
+    if series.entries:
+        _am(git, target, series)
+    elif series.carries_nothing is None:
+        print(
+            f"apply: {target.label}: {series.label} has no series yet; {target.branch} is "
+            f"{target.upstream_tag}: commit the ported patches there, then `carry export`"
+        )
+    print(
+        f"apply: {target.label}: {len(series.entries)} patch(es) from {series.label} "
+        f"on {target.branch} ({watch})"
+    )
+    return 0
+
+
+def _applied_record(git: Git, target: Target) -> Path:
+    return git.state_file(f"applied-{target.version}")
+
+
+def _record_applied(git: Git, target: Target, series: Series) -> None:
+    """Remember which files the branch is being rebuilt from: `carry export` then knows that a
+    hand edit of those files is already on the branch and that writing the branch loses nothing."""
+    record = _applied_record(git, target)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(series.digest() + "\n")
+
+
+def _applied_digest(git: Git, target: Target) -> str | None:
+    record = _applied_record(git, target)
+    return record.read_text().strip() if record.exists() else None
+
+
+def _am(git: Git, target: Target, series: Series) -> None:
+    paths = [str(series.directory / entry.filename) for entry in series.entries]
+    # --empty=keep records an Applied-Upstream entry (a patch with no diff) as an empty commit, so
+    # the branch mirrors the series one commit per entry without reading git's messages.
+    result = git.run(
+        "am", "--3way", "--keep", "--committer-date-is-author-date", "--empty=keep", *paths, check=False
+    )
+    if result.returncode == 0:
+        return
+    if git.operation_in_progress() is None:
+        raise CarryError(f"git am failed in {git.repo}: {summarize_git_output(result.output)}")
+    applied = len(git.commits(target.upstream_tag, "HEAD"))
+    entry = series.entries[min(applied, len(series.entries) - 1)]
+    files = git.unmerged_paths() or git.current_patch_paths()
+    where = ", ".join(files) if files else "see `git am --show-current-patch=diff`"
+    raise CarryError(
+        f"{series.label}/{entry.filename} does not apply to {target.label} ({where}): resolve it in "
+        f"upstream/{target.name} and run `git am --continue`, then `carry export`; or `git am --abort` "
+        f"and fix {series.label}/{entry.filename}"
+    )
+
+
+# --- branch -> patches/ ---
 
 
 def export_branch(git: Git, target: Target, dest: Path) -> list[str]:
@@ -65,152 +224,100 @@ def export_branch(git: Git, target: Target, dest: Path) -> list[str]:
         raise CarryError(f"format-patch wrote {len(paths)} files for {len(commits)} commits")
     for commit, path in zip(commits, paths, strict=True):
         if path.stat().st_size == 0:
-            text = git.out("log", "-1", f"--format={EMPTY_COMMIT_FORMAT}", commit)
-            path.write_text(text + "\n")
+            text = git.run("log", "-1", f"--format={EMPTY_COMMIT_FORMAT}", commit).stdout.strip()
+            path.write_bytes((text + "\n").encode("utf-8", "surrogateescape"))
     return [path.name for path in paths]
 
 
-def branch_matches_series(git: Git, target: Target, series: Series, scratch: Path) -> bool:
-    """True when exporting the branch now would reproduce the series byte for byte."""
-    if git.rev(target.branch) is None:
-        return not series.entries
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch, prefix="compare-") as tmp:
+def export(project: Project, target: Target, force: bool = False, runner: Runner = run_subprocess) -> int:
+    git = open_checkout(project, target, runner, "carry export")
+    require_branch(git, target)
+    require_clean(git, target, "carry export")
+    require_descends(git, target, "carry export")
+    folder = read_series_folder(project.patches_dir, target.name, target.version)
+    project.scratch_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=project.scratch_dir, prefix="export-") as tmp:
         names = export_branch(git, target, Path(tmp))
-        if names != [entry.filename for entry in series.entries]:
-            return False
-        return all(
-            (Path(tmp) / name).read_bytes() == (series.directory / name).read_bytes() for name in names
-        )
-
-
-def require_branch_matches(project: Project, target: Target, git: Git, series: Series) -> None:
-    if not branch_matches_series(git, target, series, project.scratch_dir):
+        exported = {name: (Path(tmp) / name).read_bytes() for name in names}
+    if folder.carries_nothing is not None and names:
         raise CarryError(
-            f"{target.branch} in upstream/{target.name} differs from {series.label}: "
-            "run `carry export` to keep the branch, or `carry apply` to rebuild it from patches/"
+            f"{folder.label}/{CARRIES_NOTHING_FILE} says {target.label} carries nothing, but "
+            f"{target.branch} has {len(names)} commit(s): delete that file if the line carries patches "
+            "now; nothing was written"
         )
-
-
-def apply(project: Project, target: Target, runner: Runner = run_subprocess) -> int:
-    git = open_checkout(project, target, runner)
-    series = project.series(target.release)
-    old_tip = git.rev(target.branch)
-    if old_tip and branch_matches_series(git, target, series, project.scratch_dir):
-        if git.current_branch() != target.branch:
-            _require_clean(git, target)
-            git.run("checkout", "--quiet", target.branch)
-        print(f"apply: {target.label}: {target.branch} already carries {series.label}")
+    if not names and not folder.exists:
+        print(f"export: {target.label}: no patches on {target.branch}, nothing to write")
         return 0
-    _require_clean(git, target)
-    if old_tip and old_tip != git.rev(target.upstream_tag):
-        backup = f"carry-backup/{target.version}/{old_tip[:12]}"
-        git.run("branch", "--force", backup, old_tip)
-        print(f"apply: kept the previous {target.branch} as {backup}")
-    git.run("checkout", "--quiet", "-B", target.branch, target.upstream_tag)
-    if series.entries:
-        _am(git, target, series)
-    print(f"apply: {target.label}: {len(series.entries)} patch(es) from {series.label} on {target.branch}")
+    _refuse_overwriting_strays(folder, names)
+    if not force:
+        _refuse_losing_work(folder, target, names, exported, _applied_digest(git, target))
+    digest = contents_digest(exported, names)
+    revision = folder.revision if digest == folder.recorded_digest else folder.revision + 1
+    changed = _write_series(folder, names, exported, render_revision_file(revision, digest))
+    for stray in folder.strays:
+        print(
+            f"export: {folder.label}/{stray} is not in the series and was left in place: "
+            f"commit it on {target.branch} and export, or delete it"
+        )
+    if not changed:
+        print(f"export: {target.label}: patches/ unchanged (revision {revision})")
+        return 0
+    print(f"export: {target.label}: wrote {len(names)} patch(es) to {folder.label} (revision {revision})")
     return 0
 
 
-def _require_clean(git: Git, target: Target) -> None:
-    dirty = git.dirty_paths()
-    if dirty:
-        more = f" and {len(dirty) - 1} more" if len(dirty) > 1 else ""
+def _refuse_overwriting_strays(folder: SeriesFolder, names: list[str]) -> None:
+    clashes = [name for name in names if name in folder.strays]
+    if clashes:
         raise CarryError(
-            f"upstream/{target.name} has uncommitted changes ({dirty[0]}{more}): commit them on "
-            f"{target.branch} and run `carry export`, or stash them; nothing was changed"
+            f"{folder.label}/{clashes[0]} is not in {folder.label}/series and exporting would overwrite it: "
+            f"move it out of {folder.label}, then export again; nothing was written"
         )
 
 
-def _am(git: Git, target: Target, series: Series) -> None:
-    paths = [str(series.directory / entry.filename) for entry in series.entries]
-    result = git.run("am", "--3way", "--keep", "--committer-date-is-author-date", *paths, check=False)
-    while result.returncode != 0:
-        entry = _entry_in_progress(git, series)
-        if entry.applied_upstream and "Patch is empty" in result.output:
-            # An Applied-Upstream entry is recorded as an empty commit so the branch mirrors the series.
-            result = git.run("am", "--allow-empty", check=False)
-            continue
-        where = ", ".join(_failed_paths(git, result.output)) or result.output.splitlines()[-1]
+def _refuse_losing_work(
+    folder: SeriesFolder, target: Target, names: list[str], exported: dict[str, bytes], applied: str | None
+) -> None:
+    """Refuse an export that would throw away patches: a branch that lost commits, or files
+    someone edited by hand that the branch does not carry."""
+    dropped = [name for name in folder.listed if name not in names]
+    if len(names) < len(folder.listed):
         raise CarryError(
-            f"{series.label}/{entry.filename} does not apply to {target.label} ({where}): resolve "
-            f"it in upstream/{target.name} and run `git am --continue`, then `carry export`; "
-            "or `git am --abort`"
+            f"exporting {target.branch} would shrink {folder.label} from {len(folder.listed)} to "
+            f"{len(names)} patch(es) ({dropped[0]} would go): if the branch lost commits (after "
+            "`git am --abort`, say), `carry apply` rebuilds it from the files; to drop patches on "
+            "purpose, `carry export --force`; nothing was written"
         )
-
-
-def _entry_in_progress(git: Git, series: Series) -> Entry:
-    index = int((git.repo / ".git" / "rebase-apply" / "next").read_text().strip())
-    return series.entries[index - 1]
-
-
-def _failed_paths(git: Git, output: str) -> list[str]:
-    unmerged = git.out("diff", "--name-only", "--diff-filter=U").split()
-    found = unmerged or _FAILED_PATH.findall(output)
-    return list(dict.fromkeys(found))
-
-
-def export(project: Project, target: Target, runner: Runner = run_subprocess) -> int:
-    git = open_checkout(project, target, runner)
-    if git.rev(target.branch) is None:
-        raise CarryError(f"upstream/{target.name} has no branch {target.branch}: run `carry apply`")
-    directory = project.patches_dir / target.name / target.version
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{target.version}-export-"))
-    try:
-        names = export_branch(git, target, staging)
-        if not names and not directory.exists():
-            print(f"export: {target.label}: no patches on {target.branch}, nothing to write")
-            return 0
-        _copy_unmanaged(directory, staging)
-        (staging / SERIES_FILE).write_text(render_series_file(names))
-        old_revision, old_digest = read_revision(directory, f"patches/{target.name}/{target.version}")
-        digest = series_digest(staging, names)
-        revision = old_revision if digest == old_digest else old_revision + 1
-        (staging / REVISION_FILE).write_text(render_revision_file(revision, digest))
-        if _same_tree(staging, directory):
-            print(f"export: {target.label}: patches/ unchanged (revision {revision})")
-            return 0
-        _replace_dir(directory, staging)
-        print(
-            f"export: {target.label}: wrote {len(names)} patch(es) to "
-            f"patches/{target.name}/{target.version} (revision {revision})"
-        )
-        return 0
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _managed(path: Path) -> bool:
-    return path.name in (SERIES_FILE, REVISION_FILE) or path.suffix == ".patch"
-
-
-def _copy_unmanaged(directory: Path, staging: Path) -> None:
-    if directory.exists():
-        for path in directory.iterdir():
-            if path.is_file() and not _managed(path):
-                shutil.copy2(path, staging / path.name)
-
-
-def _same_tree(left: Path, right: Path) -> bool:
-    if not right.exists():
-        return False
-    left_files = sorted(p.name for p in left.iterdir())
-    right_files = sorted(p.name for p in right.iterdir())
-    return left_files == right_files and all(
-        (left / name).read_bytes() == (right / name).read_bytes() for name in left_files
+    if not folder.edited_since_export() or (applied is not None and applied == folder.digest()):
+        return
+    overwritten = [name for name in folder.listed if exported.get(name) != folder.contents.get(name)]
+    if not overwritten and list(folder.listed) == names:
+        return
+    which = overwritten[0] if overwritten else SERIES_FILE
+    raise CarryError(
+        f"{folder.label} was edited by hand since revision {folder.revision} was recorded, and exporting "
+        f"{target.branch} would overwrite {which}: `carry apply` rebuilds {target.branch} from the files "
+        "(keeps their version), `carry export --force` keeps the branch's; nothing was written"
     )
 
 
-def _replace_dir(directory: Path, staging: Path) -> None:
-    """Swap in the new series with two renames, so a crash leaves the old or the new one whole."""
-    if not directory.exists():
-        staging.rename(directory)
-        return
-    retired = directory.with_name(f".{directory.name}-retired")
-    shutil.rmtree(retired, ignore_errors=True)
-    directory.rename(retired)
-    staging.rename(directory)
-    shutil.rmtree(retired, ignore_errors=True)
+def _write_series(
+    folder: SeriesFolder, names: list[str], exported: dict[str, bytes], revision_text: str
+) -> bool:
+    """Write only what changed, and delete only patches the previous series listed (export wrote
+    them). The revision, which hashes the rest, is written after it."""
+    folder.directory.mkdir(parents=True, exist_ok=True)
+    wanted = [(name, exported[name]) for name in names]
+    wanted.append((SERIES_FILE, render_series_file(names).encode()))
+    wanted.append((REVISION_FILE, revision_text.encode()))
+    changed = False
+    for name, data in wanted:
+        path = folder.directory / name
+        if not path.is_file() or path.read_bytes() != data:
+            write_atomically(path, data)
+            changed = True
+    for name in folder.listed:
+        if name not in names and (folder.directory / name).is_file():
+            (folder.directory / name).unlink()
+            changed = True
+    return changed

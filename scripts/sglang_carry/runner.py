@@ -42,14 +42,19 @@ def run_subprocess(
     stdin: str | None = None,
     capture: bool = True,
 ) -> Completed:
-    """Run a command; ``env`` is added to the current environment, never a replacement."""
+    """Run a command; ``env`` is added to the current environment, never a replacement.
+
+    Output is decoded as UTF-8 whatever the user's locale says, and undecodable bytes survive the
+    round trip (surrogateescape), so a patch read through here is written back byte for byte.
+    """
     full_env = {**os.environ, **env} if env else None
     proc = subprocess.run(
         list(args),
         cwd=cwd,
         env=full_env,
         input=stdin,
-        text=True,
+        encoding="utf-8",
+        errors="surrogateescape",
         capture_output=capture,
         check=False,
     )

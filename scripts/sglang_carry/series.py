@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import hashlib
-import re
 import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CarryError
+from .git import Git
+from .runner import Runner, run_subprocess
 
 SERIES_FILE = "series"
 REVISION_FILE = "revision"
+# A line that carries no patch on purpose says so, with the reason, in this file; without it an
+# empty or missing series is taken for a line nobody has ported the series to yet.
+CARRIES_NOTHING_FILE = "carries-nothing"
 SERIES_HEADER = (
     "# Patch order for this upstream line. Written by `carry export`; edit the branch, not this.\n"
 )
 STATUSES = ("Pending", "Submitted", "Backport", "Inappropriate", "Applied-Upstream")
 APPLIED_UPSTREAM = "Applied-Upstream"
-_TRAILER = re.compile(r"^([A-Za-z0-9][A-Za-z0-9-]*):\s*(.*)$")
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Series:
     entries: tuple[Entry, ...]
     revision: int
     recorded_digest: str | None
+    carries_nothing: str | None = None
 
     @property
     def label(self) -> str:
@@ -70,22 +77,38 @@ class Series:
     def require_current_revision(self) -> None:
         if not self.revision_is_current():
             raise CarryError(
-                f"{self.label} changed since revision {self.revision} was recorded: "
-                "run `carry export` to record the new revision"
+                f"{self.label} was edited by hand since revision {self.revision} was recorded: "
+                f"`carry apply --upstream {self.version} {self.name}` rebuilds the branch from the files, "
+                "then `carry export` records them as a new revision"
             )
 
+    def require_something_to_carry(self, what: str) -> None:
+        """Refuse to build or verify a line nobody has ported the series to (it would be upstream
+        with a +carry version), unless the line says it carries nothing on purpose."""
+        if self.entries or self.carries_nothing is not None:
+            return
+        raise CarryError(
+            f"{self.name} {self.version} has no series in {self.label}, so {what} would be plain upstream: "
+            f"port the series to it (commit on carry/{self.version}, then `carry export`), write why it "
+            f"carries nothing into {self.label}/{CARRIES_NOTHING_FILE}, or pick another line with --upstream"
+        )
 
-def series_digest(directory: Path, filenames: list[str]) -> str:
+
+def series_digest(directory: Path, filenames: Sequence[str]) -> str:
     """Hash of everything that defines the series; the revision grows whenever it changes."""
+    return contents_digest({name: (directory / name).read_bytes() for name in filenames}, filenames)
+
+
+def contents_digest(contents: Mapping[str, bytes], filenames: Sequence[str]) -> str:
     digest = hashlib.sha256()
     digest.update(render_series_file(filenames).encode())
     for filename in filenames:
         digest.update(filename.encode() + b"\0")
-        digest.update(hashlib.sha256((directory / filename).read_bytes()).digest())
+        digest.update(hashlib.sha256(contents[filename]).digest())
     return digest.hexdigest()
 
 
-def render_series_file(filenames: list[str]) -> str:
+def render_series_file(filenames: Sequence[str]) -> str:
     return SERIES_HEADER + "".join(f"{name}\n" for name in filenames)
 
 
@@ -98,77 +121,90 @@ def render_revision_file(revision: int, digest: str) -> str:
     )
 
 
-def parse_patch(filename: str, text: str) -> Entry:
-    lines = text.splitlines()
-    subject_parts: list[str] = []
-    index = 0
-    in_subject = False
-    while index < len(lines) and lines[index].strip():
-        line = lines[index]
-        if line.startswith("Subject:"):
-            subject_parts = [line[len("Subject:") :].strip()]
-            in_subject = True
-        elif in_subject and line[:1] in (" ", "\t"):
-            subject_parts.append(line.strip())
-        else:
-            in_subject = False
-        index += 1
+def parse_patch(
+    filename: str, data: bytes, runner: Runner = run_subprocess, cwd: Path | None = None
+) -> Entry:
+    """An entry as git am reads it: the mail header through the stdlib email parser (so encoded
+    non-ASCII subjects come out decoded), the trailers through `git interpret-trailers --parse`."""
+    text = data.decode("utf-8", "surrogateescape")
+    message = email.parser.Parser(policy=email.policy.default).parsestr(text, headersonly=True)
+    subject = str(message.get("Subject", "")).strip()
+    payload = message.get_payload()
     body: list[str] = []
-    for line in lines[index:]:
+    for line in (payload if isinstance(payload, str) else "").splitlines():
         if line == "---" or line.startswith("diff --git "):
             break
         body.append(line)
-    has_diff = any(line.startswith("diff --git ") for line in lines)
+    has_diff = any(line.startswith("diff --git ") for line in text.splitlines())
     return Entry(
         filename=filename,
-        subject=" ".join(subject_parts),
-        trailers=parse_trailers(body),
+        subject=subject,
+        trailers=parse_trailers(subject, body, runner, cwd),
         has_diff=has_diff,
-        sha256=hashlib.sha256(text.encode()).hexdigest(),
+        sha256=hashlib.sha256(data).hexdigest(),
     )
 
 
-def parse_trailers(body: list[str]) -> dict[str, list[str]]:
-    """Trailers of the last paragraph of a commit message, as git interpret-trailers sees them."""
-    paragraphs: list[list[str]] = [[]]
-    for line in body:
-        if line.strip():
-            paragraphs[-1].append(line)
-        elif paragraphs[-1]:
-            paragraphs.append([])
-    last = next((p for p in reversed(paragraphs) if p), [])
+def parse_trailers(
+    subject: str, body: Sequence[str], runner: Runner = run_subprocess, cwd: Path | None = None
+) -> dict[str, list[str]]:
+    """Trailers of a commit message, exactly as git sees them (continuation lines unfolded)."""
+    # git takes the first paragraph for the title, never for trailers, so the subject goes first.
+    commit_message = subject + "\n\n" + "".join(f"{line}\n" for line in body)
+    parsed = Git(cwd or Path.cwd(), runner).out("interpret-trailers", "--parse", stdin=commit_message)
     trailers: dict[str, list[str]] = {}
-    key = None
-    for line in last:
-        match = _TRAILER.match(line)
-        if match:
-            key = match.group(1)
-            trailers.setdefault(key, []).append(match.group(2).strip())
-        elif key is not None and line[:1] in (" ", "\t"):
-            trailers[key][-1] = f"{trailers[key][-1]} {line.strip()}"
-        else:
-            return {}
+    for line in parsed.splitlines():
+        key, _, value = line.partition(":")
+        trailers.setdefault(key.strip(), []).append(value.strip())
     return trailers
 
 
 def read_series_names(series_path: Path) -> list[str]:
     names = []
-    for raw in series_path.read_text().splitlines():
+    for raw in series_path.read_text(encoding="utf-8").splitlines():
         line = raw.split("#", 1)[0].strip()
         if line:
             names.append(line)
     return names
 
 
-def load_series(patches_dir: Path, name: str, version: str) -> Series:
+def read_carries_nothing(directory: Path, label: str) -> str | None:
+    """The reason a line carries nothing on purpose, or None when it does not say so."""
+    path = directory / CARRIES_NOTHING_FILE
+    if not path.exists():
+        return None
+    reason = " ".join(path.read_text(encoding="utf-8").split())
+    if not reason:
+        raise CarryError(
+            f"{label}/{CARRIES_NOTHING_FILE} is empty: write in it why this line carries nothing"
+        )
+    return reason
+
+
+def has_series(patches_dir: Path, name: str, version: str) -> bool:
+    """Whether the line has a series to build: patches listed, or nothing carried on purpose."""
+    directory = patches_dir / name / version
+    if (directory / CARRIES_NOTHING_FILE).exists():
+        return True
+    series_path = directory / SERIES_FILE
+    return series_path.is_file() and bool(read_series_names(series_path))
+
+
+def load_series(patches_dir: Path, name: str, version: str, runner: Runner = run_subprocess) -> Series:
     directory = patches_dir / name / version
     label = f"patches/{name}/{version}"
     series_path = directory / SERIES_FILE
+    carries_nothing = read_carries_nothing(directory, label)
     if not series_path.exists():
         if directory.exists() and any(directory.glob("*.patch")):
             raise CarryError(f"{label} has patch files but no series file: list them in {label}/series")
-        return Series(name, version, directory, (), 0, None)
+        return Series(name, version, directory, (), 0, None, carries_nothing)
     names = read_series_names(series_path)
+    if names and carries_nothing is not None:
+        raise CarryError(
+            f"{label}/series lists {len(names)} patch(es) but {label}/{CARRIES_NOTHING_FILE} says the line "
+            "carries nothing: delete one of the two"
+        )
     seen: set[str] = set()
     entries = []
     for filename in names:
@@ -180,7 +216,7 @@ def load_series(patches_dir: Path, name: str, version: str) -> Series:
             raise CarryError(
                 f"{label}/series lists {filename}, which is not there: restore it or drop the line"
             )
-        entry = parse_patch(filename, path.read_text())
+        entry = parse_patch(filename, path.read_bytes(), runner, directory)
         _check_entry(label, entry)
         entries.append(entry)
     strays = sorted(p.name for p in directory.glob("*.patch") if p.name not in seen)
@@ -189,7 +225,7 @@ def load_series(patches_dir: Path, name: str, version: str) -> Series:
             f"{label}/{strays[0]} is not listed in {label}/series: add it to the series or delete it"
         )
     revision, digest = read_revision(directory, label)
-    return Series(name, version, directory, tuple(entries), revision, digest)
+    return Series(name, version, directory, tuple(entries), revision, digest, carries_nothing)
 
 
 def _check_entry(label: str, entry: Entry) -> None:
@@ -211,12 +247,56 @@ def read_revision(directory: Path, label: str) -> tuple[int, str | None]:
     path = directory / REVISION_FILE
     if not path.exists():
         return 0, None
+    restore = f"restore it with `git checkout -- {label}/{REVISION_FILE}`"
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
         revision = data["revision"]
         digest = data["series-sha256"]
     except (tomllib.TOMLDecodeError, KeyError) as exc:
-        raise CarryError(f"{label}/{REVISION_FILE} is unreadable ({exc}): run `carry export`") from exc
+        raise CarryError(f"{label}/{REVISION_FILE} is unreadable ({exc}): {restore}") from exc
     if not isinstance(revision, int) or not isinstance(digest, str):
-        raise CarryError(f"{label}/{REVISION_FILE} has wrong field types: run `carry export`")
+        raise CarryError(f"{label}/{REVISION_FILE} has wrong field types: {restore}")
     return revision, digest
+
+
+@dataclass(frozen=True)
+class SeriesFolder:
+    """What ``patches/<name>/<version>/`` holds right now, read without judging it: `carry export`
+    compares it with the branch before it writes anything."""
+
+    directory: Path
+    label: str
+    listed: tuple[str, ...]
+    contents: dict[str, bytes] = field(hash=False)
+    revision: int
+    recorded_digest: str | None
+    strays: tuple[str, ...]
+    carries_nothing: str | None
+
+    @property
+    def exists(self) -> bool:
+        return self.directory.exists()
+
+    def digest(self) -> str | None:
+        if any(name not in self.contents for name in self.listed):
+            return None
+        return contents_digest(self.contents, self.listed)
+
+    def edited_since_export(self) -> bool:
+        """True when the files are not what the last `carry export` recorded (a hand edit)."""
+        if not self.listed and self.recorded_digest is None:
+            return False
+        return self.digest() != self.recorded_digest
+
+
+def read_series_folder(patches_dir: Path, name: str, version: str) -> SeriesFolder:
+    directory = patches_dir / name / version
+    label = f"patches/{name}/{version}"
+    series_path = directory / SERIES_FILE
+    listed = tuple(dict.fromkeys(read_series_names(series_path))) if series_path.is_file() else ()
+    contents = {n: (directory / n).read_bytes() for n in listed if (directory / n).is_file()}
+    revision, digest = read_revision(directory, label)
+    strays = tuple(sorted(p.name for p in directory.glob("*.patch") if p.name not in listed))
+    return SeriesFolder(
+        directory, label, listed, contents, revision, digest, strays, read_carries_nothing(directory, label)
+    )

@@ -1,57 +1,147 @@
-"""What is pinned, fetched, applied and carried, for every line."""
+"""What is pinned, fetched, applied and carried, for every line; non-zero when a line needs work."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
 from .errors import CarryError
+from .fetch import sha256_of
 from .git import Git
-from .patching import branch_matches_series
+from .patching import DIFFERS, MATCHES, MISSING, NOT_DESCENDING, branch_state
 from .pins import select_file
 from .project import Project, Target
 from .runner import Runner, run_subprocess
+from .series import Series
+
+_BRANCH_TEXT = {
+    MISSING: "no branch (run `carry apply`)",
+    MATCHES: "matches patches/",
+    DIFFERS: "DIFFERS from patches/ (`carry export` keeps the branch, `carry apply` the files)",
+    NOT_DESCENDING: "does NOT descend from its upstream tag (rebase it, or `carry apply`)",
+}
 
 
-def describe(project: Project, target: Target, runner: Runner) -> list[str]:
-    lines = [f"{target.label} (tag {target.release.git_tag})"]
+@dataclass
+class LineStatus:
+    """One line's state: ``record`` for --json, ``lines`` for people, ``problems`` for the exit code
+    (things `carry build` would refuse, other than steps not taken yet)."""
+
+    target: Target
+    record: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def describe(project: Project, target: Target, runner: Runner) -> LineStatus:
+    line = LineStatus(target)
+    line.record.update(name=target.name, version=target.version, git_tag=target.release.git_tag)
+    line.lines.append(f"{target.label} (tag {target.release.git_tag})")
+    _describe_download(project, target, line)
+    series = _describe_series(project, target, runner, line)
+    if series is not None:
+        _describe_checkout(project, target, series, runner, line)
+    line.record["problems"] = line.problems
+    return line
+
+
+def _describe_download(project: Project, target: Target, line: LineStatus) -> None:
     try:
         pinned = select_file(target.release)
-        fetched = (project.downloads_dir / pinned.filename).exists()
-        fetch_state = "fetched" if fetched else "not fetched"
-        lines.append(f"  pin       {pinned.filename} sha256 {pinned.sha256[:16]}… {fetch_state}")
     except CarryError as exc:
-        lines.append(f"  pin       {exc}")
+        line.record["pin"] = {"error": str(exc)}
+        line.lines.append(f"  pin       {exc}")
+        line.problems.append(str(exc))
+        return
+    cached = project.downloads_dir / pinned.filename
+    if not cached.exists():
+        download, shown = "missing", "not fetched"
+    elif sha256_of(cached) == pinned.sha256:
+        download, shown = "ok", "fetched, sha256 ok"
+    else:
+        download, shown = "wrong-sha256", "fetched with the WRONG sha256 (`carry fetch` downloads it again)"
+        line.problems.append(f"{pinned.filename} in {project.downloads_dir.name}/ does not match its pin")
+    line.record["pin"] = {"file": pinned.filename, "sha256": pinned.sha256, "download": download}
+    line.lines.append(f"  pin       {pinned.filename} sha256 {pinned.sha256[:16]}… {shown}")
+
+
+def _describe_series(project: Project, target: Target, runner: Runner, line: LineStatus) -> Series | None:
+    label = f"patches/{target.name}/{target.version}"
     try:
-        series = project.series(target.release)
+        series = project.series(target.release, runner)
     except CarryError as exc:
-        lines.append(f"  series    BROKEN: {exc}")
-        return lines
-    current = "recorded" if series.revision_is_current() else "CHANGED since recorded (run `carry export`)"
-    count = len(series.entries)
-    lines.append(f"  series    {series.label}: {count} entries, revision {series.revision} {current}")
-    for entry in series.entries:
-        lines.append(f"    {entry.filename}  [{entry.status_line}]")
+        line.record["series"] = {"path": label, "state": "broken", "error": str(exc)}
+        line.lines.append(f"  series    BROKEN: {exc}")
+        line.problems.append(f"{label} is broken")
+        return None
+    if series.carries_nothing is not None:
+        state, shown = "carries-nothing", f"carries nothing on purpose ({series.carries_nothing})"
+    elif not series.entries:
+        state, shown = "none", "no series yet (build and verify refuse this line)"
+    elif series.revision_is_current():
+        state, shown = "recorded", f"{len(series.entries)} entries, revision {series.revision} recorded"
+    else:
+        state = "edited"
+        shown = f"{len(series.entries)} entries, EDITED by hand since revision {series.revision} (see README)"
+        line.problems.append(f"{label} was edited by hand since its revision was recorded")
+    line.record["series"] = {
+        "path": label,
+        "state": state,
+        "revision": series.revision,
+        "entries": [{"file": e.filename, "upstream_status": e.status_line} for e in series.entries],
+    }
+    line.lines.append(f"  series    {label}: {shown}")
+    line.lines.extend(f"    {entry.filename}  [{entry.status_line}]" for entry in series.entries)
+    return series
+
+
+def _describe_checkout(
+    project: Project, target: Target, series: Series, runner: Runner, line: LineStatus
+) -> None:
     git = Git(project.checkout(target.name), runner)
     if not git.exists() or git.rev(target.upstream_tag) is None:
-        lines.append("  checkout  missing (run `carry fetch`)")
-        return lines
+        line.record["checkout"] = {"state": "missing"}
+        line.lines.append("  checkout  missing (run `carry fetch`)")
+        return
     head = git.current_branch() or "detached HEAD"
     dirty = len(git.dirty_paths())
-    state = f"{dirty} uncommitted change(s)" if dirty else "clean"
-    if git.am_in_progress():
-        state = "git am in progress"
-        in_sync = "unknown"
-    elif git.rev(target.branch) is None:
-        in_sync = "no branch (run `carry apply`)"
+    operation = git.operation_in_progress()
+    if operation is not None:
+        state = f"git {operation.name} in progress (`{operation.resume}` or `{operation.abort}`)"
+        branch = "unknown"
+        line.problems.append(f"a git {operation.name} is in progress in upstream/{target.name}")
     else:
-        in_sync = (
-            "matches patches/"
-            if branch_matches_series(git, target, series, project.scratch_dir)
-            else "DIFFERS from patches/"
-        )
-    lines.append(f"  checkout  upstream/{target.name} on {head}, {state}; {target.branch} {in_sync}")
-    return lines
+        state = f"{dirty} uncommitted change(s)" if dirty else "clean"
+        branch = branch_state(git, target, series, project.scratch_dir)
+        if branch == DIFFERS:
+            line.problems.append(f"{target.branch} differs from {series.label}")
+        elif branch == NOT_DESCENDING:
+            line.problems.append(f"{target.branch} does not descend from {target.upstream_tag}")
+    line.record["checkout"] = {
+        "state": "present",
+        "head": head,
+        "uncommitted": dirty,
+        "operation": operation.name if operation else None,
+        "branch": branch,
+    }
+    shown = _BRANCH_TEXT.get(branch, "state unknown")
+    line.lines.append(f"  checkout  upstream/{target.name} on {head}, {state}; {target.branch} {shown}")
 
 
-def status(project: Project, targets: list[Target], runner: Runner = run_subprocess) -> int:
+def status(
+    project: Project, targets: list[Target], as_json: bool = False, runner: Runner = run_subprocess
+) -> int:
+    problems = 0
+    records = []
     for target in targets:
-        print("\n".join(describe(project, target, runner)))
-    return 0
+        line = describe(project, target, runner)
+        problems += len(line.problems)
+        records.append(line.record)
+        if not as_json:
+            print("\n".join(line.lines), flush=True)
+    if as_json:
+        print(json.dumps({"ok": problems == 0, "lines": records}, indent=2, ensure_ascii=False))
+    elif problems:
+        print(f"status: {problems} problem(s) to fix before `carry build`; exit 1")
+    return 1 if problems else 0

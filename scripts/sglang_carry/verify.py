@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CarryError
 from .git import Git
-from .patching import open_checkout, require_branch_matches
+from .patching import require_line_ready
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 from .series import Entry
@@ -46,7 +48,12 @@ class Verdict:
 
 
 class TreeTester:
-    """Runs test ids against commits of one checkout, each in a detached worktree."""
+    """Runs test ids against commits of one checkout, each in a detached worktree.
+
+    Every run has a folder of its own under build/verify/, and every tree in it its own torch
+    JIT-extension folder: two verify runs (or a verify beside `./scripts/test`) never share a
+    tree or a compiled extension, so none rebuilds or deletes what another is using.
+    """
 
     def __init__(self, project: Project, target: Target, git: Git, python: str, runner: Runner) -> None:
         self.project = project
@@ -54,7 +61,9 @@ class TreeTester:
         self.git = git
         self.python = python
         self.runner = runner
-        self.base = project.scratch_dir / "verify" / target.name
+        parent = project.scratch_dir / "verify" / target.name
+        parent.mkdir(parents=True, exist_ok=True)
+        self.base = Path(tempfile.mkdtemp(dir=parent, prefix="run-"))
         self.trees: dict[str, Path] = {}
 
     def tree(self, commit: str) -> Path:
@@ -62,10 +71,16 @@ class TreeTester:
             self.trees[commit] = self.git.fresh_worktree(self.base / commit[:12], commit)
         return self.trees[commit]
 
-    def outcome(self, commit: str, tests: list[str]) -> str:
+    def environment(self, commit: str) -> dict[str, str]:
         subdir = self.target.upstream.source_subdir
         tree = self.tree(commit)
-        env = {tree_env_var(self.target.name): str(tree / subdir if subdir else tree)}
+        return {
+            tree_env_var(self.target.name): str(tree / subdir if subdir else tree),
+            "TORCH_EXTENSIONS_DIR": str(self.base / "torch_extensions" / commit[:12]),
+        }
+
+    def outcome(self, commit: str, tests: list[str]) -> str:
+        env = self.environment(commit)
         result = self.runner(
             [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
             cwd=self.project.root,
@@ -83,12 +98,15 @@ class TreeTester:
         for path in self.trees.values():
             self.git.run("worktree", "remove", "--force", str(path), check=False)
         self.git.run("worktree", "prune", check=False)
+        shutil.rmtree(self.base, ignore_errors=True)
 
 
 def verify_target(project: Project, target: Target, python: str, runner: Runner) -> list[Verdict]:
-    git = open_checkout(project, target, runner)
-    series = project.series(target.release)
-    require_branch_matches(project, target, git, series)
+    series = project.series(target.release, runner)
+    git = require_line_ready(project, target, series, runner, "carry verify")
+    if series.carries_nothing is not None:
+        print(f"verify: {target.label} carries nothing on purpose ({series.carries_nothing})")
+        return []
     commits = git.commits(target.upstream_tag, target.branch)
     pristine = git.rev(target.upstream_tag)
     assert pristine is not None and len(commits) == len(series.entries)
@@ -134,7 +152,7 @@ def verify(
             (target.label, verdict) for verdict in verify_target(project, target, interpreter, runner)
         )
     if not rows:
-        print("verify: no series entries to verify")
+        print("verify: every line carries nothing on purpose; nothing to verify")
         return 0
     print(render_table(rows))
     wrong = [verdict for _, verdict in rows if not verdict.ok]

@@ -17,11 +17,21 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
+from packaging.version import Version
+
 from .errors import CarryError
 from .fetch import check_hash
+from .files import place
 from .git import Git
-from .patching import open_checkout, require_branch_matches
+from .patching import require_line_ready
 from .pins import select_file
+from .progress import Stopwatch
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 from .series import Series
@@ -223,12 +233,23 @@ def _add_member(out: tarfile.TarFile, arcname: str, template: tarfile.TarInfo, d
     out.addfile(info, io.BytesIO(data))
 
 
-def artifact_name(source: Path, local_version: str) -> str:
-    if source.name.endswith(".whl"):
-        prefix, _, rest = source.name.split("-", 2)
-        return f"{prefix}-{local_version}-{rest}"
-    stem = source.name.removesuffix(".tar.gz")
-    return f"{stem.rsplit('-', 1)[0]}-{local_version}.tar.gz"
+def artifact_name(source: Path, version: str, local_version: str) -> str:
+    """The upstream file's name with ``local_version`` in place of ``version``, the rest (the
+    name as the file spells it, the wheel tags) kept as they are."""
+    try:
+        if source.name.endswith(".whl"):
+            file_version = parse_wheel_filename(source.name)[1]
+            spelled_name, _, rest = source.name.split("-", 2)
+            renamed = f"{spelled_name}-{local_version}-{rest}"
+        else:
+            file_version = parse_sdist_filename(source.name)[1]
+            spelled_name = source.name.removesuffix(".tar.gz").rpartition("-")[0]
+            renamed = f"{spelled_name}-{local_version}.tar.gz"
+    except (InvalidWheelFilename, InvalidSdistFilename) as exc:
+        raise CarryError(f"{source.name} is not a wheel or sdist file name ({exc}): fix the pin") from exc
+    if file_version != Version(version):
+        raise CarryError(f"{source.name} is version {file_version}, not the pinned {version}: fix the pin")
+    return renamed
 
 
 def collect_changes(project: Project, target: Target, git: Git) -> Changes:
@@ -246,22 +267,20 @@ def collect_changes(project: Project, target: Target, git: Git) -> Changes:
 
 
 def build(project: Project, target: Target, runner: Runner = run_subprocess) -> Path:
-    series = project.series(target.release)
-    series.require_current_revision()
-    git = open_checkout(project, target, runner)
-    require_branch_matches(project, target, git, series)
+    series = project.series(target.release, runner)
+    git = require_line_ready(project, target, series, runner, "carry build")
     pinned = select_file(target.release)
     source = project.downloads_dir / pinned.filename
     if not source.exists():
         raise CarryError(f"{pinned.filename} is not downloaded: run `carry fetch` first")
     check_hash(source, pinned, "cached download")
     local_version = f"{target.version}+carry.{series.revision}"
+    final = project.dist_dir / artifact_name(source, target.version, local_version)
     changes = collect_changes(project, target, git)
     record = provenance(target, series, source, pinned.sha256, local_version, changes)
-    final = project.dist_dir / artifact_name(source, local_version)
     project.scratch_dir.mkdir(parents=True, exist_ok=True)
-    project.dist_dir.mkdir(parents=True, exist_ok=True)
-    # Written beside dist/, then moved in with one rename: dist/ never holds a partial file.
+    # Built in build/, then copied into dist/ and renamed there: dist/ never holds a partial file,
+    # even when it is on another filesystem than build/.
     handle, partial_name = tempfile.mkstemp(dir=project.scratch_dir, suffix=".partial")
     os.close(handle)
     partial = Path(partial_name)
@@ -271,18 +290,37 @@ def build(project: Project, target: Target, runner: Runner = run_subprocess) -> 
             verify_wheel_record(partial)
         else:
             write_sdist(source, partial, target.name, target.version, local_version, changes, record)
-        partial.chmod(0o644)
-        os.replace(partial, final)
+        _place_in_dist(project, partial, final)
     finally:
         partial.unlink(missing_ok=True)
     return final
 
 
+def _place_in_dist(project: Project, built: Path, final: Path) -> None:
+    try:
+        project.dist_dir.mkdir(parents=True, exist_ok=True)
+        place(built, final)
+    except OSError as exc:
+        shown = final.relative_to(project.root) if final.is_relative_to(project.root) else final
+        raise CarryError(
+            f"cannot write {shown} ({exc.strerror or exc}): make {project.dist_dir} writable "
+            "(or remove it) and run `carry build` again"
+        ) from exc
+
+
 def build_all(project: Project, targets: list[Target], runner: Runner = run_subprocess) -> int:
     built = []
     for target in targets:
+        watch = Stopwatch()
+        if target.skipped_newer:
+            newer = ", ".join(target.skipped_newer)
+            print(
+                f"build: {target.name} {newer} pinned without a series; building {target.version}, "
+                f"the newest line with one (--upstream VERSION picks another)",
+                flush=True,
+            )
         path = build(project, target, runner)
-        print(f"build: {target.label}: {path.name}", flush=True)
+        print(f"build: {target.label}: {path.name} ({watch})", flush=True)
         built.append(path)
     # Artifact paths last, wheels at the very end, so scripts and users can take the last line.
     for path in sorted(built, key=lambda p: (p.suffix == ".whl", p.name)):

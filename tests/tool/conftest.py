@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_carry.cli import main
 from sglang_carry.fetch import fetch
 from sglang_carry.project import Project, Target, select_targets
 from sglang_carry.runner import Completed, run_subprocess
@@ -147,8 +148,19 @@ class DemoProject:
             f'sha256 = "{sha256}"\n{url_line}'
         )
 
-    def target(self, name: str = "demo") -> Target:
-        return select_targets(self.project, [name], None)[0]
+    def pin_release(self, version: str, files: Mapping[str, str]) -> Path:
+        """Pin another demo release (its wheel fetched by the fake pip like the first)."""
+        wheel = make_wheel(self.artifacts, "demo", version, files)
+        with (self.root / "upstream" / "demo.toml").open("a") as pin:
+            pin.write(
+                f'\n[[release]]\nversion = "{version}"\ngit_tag = "v{version}"\n\n[[release.files]]\n'
+                f'filename = "{wheel.name}"\nsha256 = "{sha256_file(wheel)}"\n'
+            )
+        self.pip.files[f"demo=={version}"] = wheel
+        return wheel
+
+    def target(self, name: str = "demo", version: str | None = None) -> Target:
+        return select_targets(self.project, [name], version)[0]
 
     @property
     def checkout(self) -> Path:
@@ -158,8 +170,8 @@ class DemoProject:
     def series_dir(self) -> Path:
         return self.root / "patches" / "demo" / "1.0"
 
-    def fetch(self, name: str = "demo") -> None:
-        assert fetch(self.project, [self.target(name)], self.pip) == 0
+    def fetch(self, name: str = "demo", version: str | None = None) -> None:
+        assert fetch(self.project, [self.target(name, version)], self.pip) == 0
 
     def commit_change(self, path: str, content: str, message: str, repo: Path | None = None) -> None:
         repo = repo or self.checkout
@@ -173,6 +185,10 @@ class DemoProject:
 
     def snapshot(self, directory: Path) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+    def carry(self, *args: str) -> int:
+        """The CLI, as a user runs it, on this project."""
+        return main(["--root", str(self.root), *args])
 
 
 @pytest.fixture

@@ -23,5 +23,7 @@ def test_status_before_fetch(demo: DemoProject, capsys: pytest.CaptureFixture[st
 
 
 def test_build_before_fetch_says_what_to_do(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
+    demo.series_dir.mkdir(parents=True)
+    (demo.series_dir / "carries-nothing").write_text("upstream has every fix\n")
     assert main(["--root", str(demo.root), "build", "demo"]) == 1
     assert "run `carry fetch` first" in capsys.readouterr().err

@@ -51,13 +51,24 @@ def test_download_hash_mismatch_names_both_hashes(demo: DemoProject) -> None:
     assert not demo.checkout.exists()
 
 
-def test_cached_download_is_checked_before_use(demo: DemoProject) -> None:
+def test_truncated_download_is_fetched_again(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
     demo.fetch()
     cached = demo.project.downloads_dir / demo.wheel.name
-    cached.write_bytes(b"corrupt")
-    with pytest.raises(CarryError, match=r"cached download .* has sha256 .* but the pin says"):
+    cached.write_bytes(demo.wheel.read_bytes()[:100])
+    demo.fetch()
+    assert cached.read_bytes() == demo.wheel.read_bytes()
+    assert len(demo.pip.calls) == 2
+    assert "(an interrupted download?): downloading it again" in capsys.readouterr().out
+
+
+def test_bad_cached_download_is_kept_until_a_good_one_arrives(demo: DemoProject) -> None:
+    demo.fetch()
+    cached = demo.project.downloads_dir / demo.wheel.name
+    cached.write_bytes(b"truncated")
+    demo.pip.files.clear()
+    with pytest.raises(CarryError, match=r"pip could not download"):
         fetch(demo.project, [demo.target()], demo.pip)
-    assert cached.read_bytes() == b"corrupt"
+    assert cached.read_bytes() == b"truncated"
 
 
 def test_pip_failure_is_one_line(demo: DemoProject) -> None:

@@ -92,8 +92,10 @@ def test_two_builds_are_byte_identical(demo: DemoProject) -> None:
     assert build(demo.project, demo.target()).read_bytes() == first
 
 
-def test_empty_series_builds_revision_zero(demo: DemoProject) -> None:
+def test_line_that_carries_nothing_on_purpose_builds_revision_zero(demo: DemoProject) -> None:
     demo.fetch()
+    demo.series_dir.mkdir(parents=True)
+    (demo.series_dir / "carries-nothing").write_text("upstream 1.0 has every fix\n")
     path = build(demo.project, demo.target())
     assert path.name == "demo-1.0+carry.0-py3-none-any.whl"
     verify_wheel_record(path)
@@ -124,7 +126,7 @@ def test_build_refuses_a_series_changed_since_its_revision(demo: DemoProject) ->
     carry_fix(demo)
     patch = demo.series_dir / "0002-Add-extra.patch"
     patch.write_text(patch.read_text().replace("Why this change", "Why that change"))
-    with pytest.raises(CarryError, match=r"changed since revision 1 was recorded"):
+    with pytest.raises(CarryError, match=r"edited by hand since revision 1 was recorded: `carry apply"):
         build(demo.project, demo.target())
 
 
