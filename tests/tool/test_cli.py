@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from sglang_carry.cli import main
+from sglang_carry.patching import export
 
-from .conftest import DemoProject
+from .conftest import DemoProject, git, patch_message
+
+CORE = "python/demo/core.py"
 
 
 def test_unknown_version_is_one_line_and_non_zero(
@@ -17,7 +26,7 @@ def test_unknown_version_is_one_line_and_non_zero(
 
 
 def test_status_before_fetch(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--root", str(demo.root), "status"]) == 0
+    assert main(["--root", str(demo.root), "status"]) == 0  # steps not taken yet are not problems
     out = capsys.readouterr().out
     assert "demo 1.0" in out and "not fetched" in out and "checkout  missing (run `carry fetch`)" in out
 
@@ -27,3 +36,65 @@ def test_build_before_fetch_says_what_to_do(demo: DemoProject, capsys: pytest.Ca
     (demo.series_dir / "carries-nothing").write_text("upstream has every fix\n")
     assert main(["--root", str(demo.root), "build", "demo"]) == 1
     assert "run `carry fetch` first" in capsys.readouterr().err
+
+
+def carried(demo: DemoProject) -> None:
+    demo.fetch()
+    demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
+    assert export(demo.project, demo.target()) == 0
+
+
+def test_status_exit_codes(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
+    carried(demo)
+    assert demo.carry("status", "demo") == 0
+    # DIFFERS: a commit on the branch that patches/ does not have.
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Not exported"))
+    assert demo.carry("status", "demo") == 1
+    assert "DIFFERS from patches/" in capsys.readouterr().out
+    git(demo.checkout, "reset", "-q", "--hard", "HEAD~1")
+    assert demo.carry("status", "demo") == 0
+    # BROKEN: a patch file the series does not list.
+    stray = demo.series_dir / "0099-x.patch"
+    stray.write_text("stray\n")
+    assert demo.carry("status", "demo") == 1
+    assert "series    BROKEN: patches/demo/1.0/0099-x.patch is not listed" in capsys.readouterr().out
+    stray.unlink()
+    # A download that fails its hash.
+    cached = demo.project.downloads_dir / demo.wheel.name
+    cached.write_bytes(cached.read_bytes()[:50])
+    assert demo.carry("status", "demo") == 1
+    assert "WRONG sha256" in capsys.readouterr().out
+
+
+def test_status_json(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
+    carried(demo)
+    capsys.readouterr()
+    assert demo.carry("status", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True
+    demo_line = next(line for line in report["lines"] if line["name"] == "demo")
+    assert demo_line["pin"]["download"] == "ok"
+    assert demo_line["series"]["state"] == "recorded"
+    assert demo_line["series"]["entries"] == [
+        {"file": "0001-Fix-the-answer.patch", "upstream_status": "Pending"}
+    ]
+    assert demo_line["checkout"]["branch"] == "matches"
+    tiny_line = next(line for line in report["lines"] if line["name"] == "tiny")
+    assert tiny_line["pin"]["download"] == "missing" and tiny_line["checkout"]["state"] == "missing"
+
+
+def test_closed_stdout_is_one_line(demo: DemoProject) -> None:
+    carried(demo)
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sglang_carry", "--root", str(demo.root), "status"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(scripts)},
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # `carry status | head -0`: the reader is gone before carry writes
+    err = process.stderr.read().decode()
+    assert process.wait() == 141
+    assert err.count("\n") == 1
+    assert err.startswith("carry status: error: stdout was closed before the output ended")

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sglang_carry.errors import CarryError
 from sglang_carry.fetch import fetch
 
-from .conftest import DemoProject, git, sha256_file
+from .conftest import DEMO_FILES, DemoProject, git, make_wheel, sha256_file
 
 
 def test_fetch_lays_a_pristine_checkout(demo: DemoProject) -> None:
@@ -83,3 +85,27 @@ def test_sdist_comes_from_its_pinned_url(demo: DemoProject) -> None:
     assert (tree / "tiny" / "__init__.py").read_text() == "X = 1\n"
     assert (tree / "PKG-INFO").exists()
     assert demo.pip.calls == []
+
+
+def test_wheel_member_outside_the_tree_is_refused(demo: DemoProject) -> None:
+    (demo.artifacts / "evil").mkdir()
+    evil = make_wheel(demo.artifacts / "evil", "demo", "1.0", {**DEMO_FILES, "../../escaped.py": "X = 1\n"})
+    demo.write_pin("demo", "python", "1.0", evil.name, sha256_file(evil))
+    demo.pip.files["demo==1.0"] = evil
+    with pytest.raises(CarryError, match=r"holds \.\./\.\./escaped\.py, which would unpack outside"):
+        fetch(demo.project, [demo.target()], demo.pip)
+    assert not list(demo.root.rglob("escaped.py"))
+    assert git(demo.checkout, "tag").stdout == ""
+
+
+def test_fetch_reports_each_long_step_with_its_duration(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    demo.fetch()
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(
+        r"fetch: demo-1\.0-py3-none-any\.whl: downloaded [\d.]+ MB, sha256 ok \([\d.]+ s\)", out[1]
+    )
+    assert re.fullmatch(
+        r"fetch: demo 1\.0: laid upstream/1\.0 from demo-1\.0-py3-none-any\.whl \([\d.]+ s\)", out[3]
+    )

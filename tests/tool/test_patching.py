@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 
 from sglang_carry.errors import CarryError
+from sglang_carry.git import Git
 from sglang_carry.patching import apply, export
+from sglang_carry.runner import Completed, run_subprocess
 from sglang_carry.series import load_series
 
 from .conftest import DemoProject, git, patch_message
@@ -167,3 +171,176 @@ def test_trailers_are_parsed(demo: DemoProject) -> None:
 def test_export_without_checkout_is_one_clear_error(demo: DemoProject) -> None:
     with pytest.raises(CarryError, match=r"no checkout of demo 1.0 .*run `carry fetch` first"):
         export(demo.project, demo.target())
+
+
+def test_export_keeps_a_stray_patch_file_and_reports_it(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    stray = demo.series_dir / "0099-x.patch"
+    stray.write_text("someone's work\n")
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
+    assert export(demo.project, demo.target()) == 0
+    assert stray.read_text() == "someone's work\n"
+    assert (
+        "patches/demo/1.0/0099-x.patch is not in the series and was left in place" in capsys.readouterr().out
+    )
+    assert (demo.series_dir / "0004-Change-again.patch").exists()
+
+
+def test_export_never_overwrites_a_file_it_did_not_write(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    clash = demo.series_dir / "0004-Change-again.patch"
+    clash.write_text("not written by export\n")
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
+    with pytest.raises(CarryError, match=r"0004-Change-again.patch is not in patches/demo/1.0/series"):
+        export(demo.project, demo.target(), force=True)
+    assert clash.read_text() == "not written by export\n"
+
+
+def test_export_after_git_am_abort_is_refused_and_the_series_is_unchanged(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    git(demo.checkout, "commit", "-q", "--allow-empty", "-m", "unexported work")
+    first = demo.series_dir / "0001-Fix-the-answer.patch"
+    first.write_text(first.read_text().replace("-    return 41", "-    return 40"))
+    before = demo.snapshot(demo.series_dir)
+    with pytest.raises(CarryError, match=r"does not apply"):
+        apply(demo.project, demo.target())
+    # The tool's own hints, in order: abort the am, then export.
+    git(demo.checkout, "am", "--abort")
+    with pytest.raises(CarryError) as refused:
+        export(demo.project, demo.target())
+    assert "would shrink patches/demo/1.0 from 3 to 0 patch(es)" in str(refused.value)
+    assert "nothing was written" in str(refused.value)
+    assert demo.snapshot(demo.series_dir) == before
+    assert git(demo.checkout, "status", "--porcelain").stdout == ""
+
+
+def test_export_refuses_while_git_am_is_in_progress(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    first = demo.series_dir / "0001-Fix-the-answer.patch"
+    first.write_text(first.read_text().replace("-    return 41", "-    return 40"))
+    git(demo.checkout, "checkout", "-q", "--detach")
+    git(demo.checkout, "branch", "-D", "carry/1.0")
+    before = demo.snapshot(demo.series_dir)
+    with pytest.raises(CarryError):
+        apply(demo.project, demo.target())
+    with pytest.raises(CarryError, match=r"a git am is in progress in upstream/demo"):
+        export(demo.project, demo.target())
+    assert demo.snapshot(demo.series_dir) == before
+
+
+def test_hand_edit_is_detected_not_thrown_away(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    patch = demo.series_dir / "0003-Add-extra.patch"
+    edited = patch.read_text().replace("Bug: https://example.com/issue/1", "Bug: https://example.com/issue/7")
+    patch.write_text(edited)
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
+    before = demo.snapshot(demo.series_dir)
+    with pytest.raises(CarryError) as refused:
+        export(demo.project, demo.target())
+    message = str(refused.value)
+    assert "patches/demo/1.0 was edited by hand since revision 1 was recorded" in message
+    assert "`carry apply`" in message and "`carry export --force`" in message
+    assert demo.snapshot(demo.series_dir) == before
+    # Keeping the files' version: apply rebuilds the branch from them, export then records them.
+    assert apply(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()) == 0
+    assert patch.read_text() == edited
+    assert load_series(demo.root / "patches", "demo", "1.0").revision == 2
+
+
+def test_hand_edit_that_does_not_round_trip_is_kept_after_apply(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    patch = demo.series_dir / "0003-Add-extra.patch"
+    # A code edit in the patch: git am applies it, but format-patch writes other index lines.
+    patch.write_text(patch.read_text().replace("+EXTRA = True", "+EXTRA = False"))
+    assert apply(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()) == 0
+    assert git(demo.checkout, "show", "carry/1.0:python/demo/extra.py").stdout == "EXTRA = False\n"
+    assert "+EXTRA = False" in patch.read_text()
+
+
+def test_export_force_keeps_the_branch(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    patch = demo.series_dir / "0003-Add-extra.patch"
+    exported = patch.read_bytes()
+    patch.write_text(patch.read_text().replace("Why this change", "Why that change"))
+    assert export(demo.project, demo.target(), force=True) == 0
+    assert patch.read_bytes() == exported
+
+
+def test_export_refuses_uncommitted_changes(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    (demo.checkout / CORE).write_text("def answer():\n    return 44\n")
+    with pytest.raises(CarryError, match=r"uncommitted changes \(python/demo/core.py\).*`carry export`"):
+        export(demo.project, demo.target())
+    assert not demo.series_dir.exists()
+
+
+def test_apply_of_an_empty_entry_succeeds_whatever_git_speaks(
+    demo: DemoProject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    git(demo.checkout, "checkout", "-q", "--detach")
+    git(demo.checkout, "branch", "-D", "carry/1.0")
+    monkeypatch.delenv("LC_ALL", raising=False)
+    monkeypatch.delenv("LC_MESSAGES", raising=False)
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    monkeypatch.setenv("LANGUAGE", "de")
+    assert apply(demo.project, demo.target()) == 0
+    assert git(demo.checkout, "rev-list", "--count", "upstream/1.0..carry/1.0").stdout.strip() == "3"
+    assert git(demo.checkout, "status", "--porcelain").stdout == ""
+
+
+def test_git_runs_with_a_fixed_locale(demo: DemoProject, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANGUAGE", "de")
+    seen: list[Mapping[str, str]] = []
+
+    def recording(args: Sequence[str], **kwargs: Any) -> Completed:
+        seen.append(kwargs.get("env") or {})
+        return run_subprocess(args, **kwargs)
+
+    Git(demo.root, recording).run("--version")
+    assert seen[0]["LC_ALL"] == "C" and seen[0]["LANGUAGE"] == ""
+
+
+def test_git_error_keeps_the_file_it_names(demo: DemoProject) -> None:
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    git(demo.checkout, "checkout", "-q", "--detach")
+    (demo.checkout / ".git" / "index.lock").write_text("")
+    with pytest.raises(CarryError) as failure:
+        apply(demo.project, demo.target())
+    message = str(failure.value)
+    assert ".git/index.lock': File exists" in message and "remove the file manually" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("start", "name"),
+    [
+        (["merge", "side"], "merge"),
+        (["cherry-pick", "side"], "cherry-pick"),
+        (["rebase", "side"], "rebase"),
+        (["revert", "side"], "revert"),
+    ],
+)
+def test_operation_in_progress_is_read_from_git(demo: DemoProject, start: list[str], name: str) -> None:
+    demo.fetch()
+    git(demo.checkout, "checkout", "-q", "-b", "side")
+    demo.commit_change(CORE, "def answer():\n    return 1\n", "side")
+    git(demo.checkout, "checkout", "-q", "carry/1.0")
+    demo.commit_change(CORE, "def answer():\n    return 2\n", "main")
+    assert Git(demo.checkout).operation_in_progress() is None
+    assert git(demo.checkout, *start, check=False).returncode != 0  # both changed the same line
+    operation = Git(demo.checkout).operation_in_progress()
+    assert operation is not None and operation.name == name

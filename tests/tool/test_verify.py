@@ -1,11 +1,16 @@
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sglang_carry.errors import CarryError
 from sglang_carry.patching import export
+from sglang_carry.runner import Completed
 from sglang_carry.verify import verify, verify_target
 
 from .conftest import DemoProject, git, patch_message
@@ -77,3 +82,40 @@ def test_missing_test_id_is_an_error_not_a_failure(demo: DemoProject) -> None:
     export(demo.project, demo.target())
     verdicts = verify_target(demo.project, demo.target(), sys.executable, demo.pip)
     assert (verdicts[0].without, verdicts[0].with_patch, verdicts[0].ok) == ("error", "error", False)
+
+
+def test_two_verify_runs_at_once_on_one_checkout_are_both_correct(demo: DemoProject) -> None:
+    write_tests(demo)
+    demo.fetch()
+    demo.commit_change(
+        CORE, "def answer():\n    return 42\n", patch_message("Fix", tests="tests/test_answer.py")
+    )
+    export(demo.project, demo.target())
+    both_running = threading.Barrier(2, timeout=60)
+    environments: list[Mapping[str, str]] = []
+
+    def in_step(args: Sequence[str], **kwargs: Any) -> Completed:
+        if "pytest" in args:
+            environments.append(dict(kwargs["env"]))
+            both_running.wait()  # each pytest of one run starts beside one of the other run
+        return demo.pip(args, **kwargs)
+
+    results: list[list[tuple[str, str, bool]]] = []
+
+    def one_run() -> None:
+        verdicts = verify_target(demo.project, demo.target(), sys.executable, in_step)
+        results.append([(v.without, v.with_patch, v.ok) for v in verdicts])
+
+    runs = [threading.Thread(target=one_run) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert results == [[("fail", "pass", True)], [("fail", "pass", True)]]
+    trees = {env["CARRY_TREE_DEMO"] for env in environments}
+    extension_dirs = {env["TORCH_EXTENSIONS_DIR"] for env in environments}
+    assert len(environments) == len(trees) == len(extension_dirs) == 4
+    build = demo.root / "build"
+    assert all(Path(path).is_relative_to(build) for path in trees | extension_dirs)
+    assert git(demo.checkout, "worktree", "list").stdout.count("\n") == 1
+    assert list((build / "verify" / "demo").iterdir()) == []

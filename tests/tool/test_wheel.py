@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,3 +168,77 @@ def test_sdist_build_is_versioned_and_reproducible(demo: DemoProject) -> None:
         assert b"Version: 0.3+carry.1" in read("PKG-INFO")
         assert b'version = "0.3+carry.1"' in read("pyproject.toml")
         assert json.loads(read(PROVENANCE_FILE))["series"]["revision"] == 1
+
+
+def test_read_only_dist_is_one_line(
+    demo: DemoProject, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carry_fix(demo)
+    dist = demo.root / "dist"
+    real_copyfile = shutil.copyfile
+
+    # The tests run as root, which chmod cannot stop, so the read-only filesystem is simulated
+    # where the build first writes into dist/.
+    def read_only_dist(src: Any, dst: Any, **kwargs: Any) -> Any:
+        if Path(dst).parent == dist:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dst))
+        return real_copyfile(src, dst, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", read_only_dist)
+    capsys.readouterr()
+    assert demo.carry("build", "demo") == 1
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "carry build: error: cannot write dist/demo-1.0+carry.1-py3-none-any.whl (Read-only file system): "
+        f"make {dist} writable (or remove it) and run `carry build` again\n"
+    )
+    assert list(dist.iterdir()) == []
+    assert list((demo.root / "build").glob("*.partial")) == []
+
+
+def test_dist_on_another_filesystem(demo: DemoProject, monkeypatch: pytest.MonkeyPatch) -> None:
+    carry_fix(demo)
+    real_replace = os.replace
+
+    def no_cross_device_rename(src: Any, dst: Any) -> None:
+        if Path(src).parent != Path(dst).parent:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", no_cross_device_rename)
+    path = build(demo.project, demo.target())
+    assert verify_wheel_record(path) > 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_non_ascii_subject_is_decoded_in_the_provenance_record(demo: DemoProject) -> None:
+    demo.fetch()
+    demo.commit_change(
+        CORE, "def answer():\n    return 42\n", patch_message("Fix the naïve cache — für alle")
+    )
+    demo.commit_empty(patch_message("Upstream hat es schon (grüß dich)", status="Applied-Upstream"))
+    export(demo.project, demo.target())
+    assert "=?UTF-8?q?" in next(demo.series_dir.glob("0001-*.patch")).read_text()
+    with zipfile.ZipFile(build(demo.project, demo.target())) as built:
+        record = json.loads(built.read(f"demo-1.0+carry.1.dist-info/{PROVENANCE_FILE}"))
+    subjects = [p["subject"] for p in record["series"]["patches"]]
+    assert subjects == ["Fix the naïve cache — für alle", "Upstream hat es schon (grüß dich)"]
+    exported = demo.snapshot(demo.series_dir)
+    git(demo.checkout, "checkout", "-q", "--detach")
+    git(demo.checkout, "branch", "-D", "carry/1.0")
+    apply(demo.project, demo.target())
+    export(demo.project, demo.target())
+    assert demo.snapshot(demo.series_dir) == exported
+
+
+def test_artifact_name_comes_from_the_file_name(tmp_path: Path) -> None:
+    wheel_path = tmp_path / "sgl_kernel-0.5.20-cp311-cp311-manylinux_2_34_x86_64.whl"
+    assert (
+        wheel.artifact_name(wheel_path, "0.5.20", "0.5.20+carry.2")
+        == "sgl_kernel-0.5.20+carry.2-cp311-cp311-manylinux_2_34_x86_64.whl"
+    )
+    assert wheel.artifact_name(tmp_path / "kvcached-0.1.6.tar.gz", "0.1.6", "0.1.6+carry.1") == (
+        "kvcached-0.1.6+carry.1.tar.gz"
+    )
+    with pytest.raises(CarryError, match=r"is version 0.1.7, not the pinned 0.1.6"):
+        wheel.artifact_name(tmp_path / "kvcached-0.1.7.tar.gz", "0.1.6", "0.1.6+carry.1")
