@@ -78,7 +78,7 @@ class Series:
         if not self.revision_is_current():
             raise CarryError(
                 f"{self.label} was edited by hand since revision {self.revision} was recorded: "
-                f"`carry apply --upstream {self.version} {self.name}` rebuilds the branch from the files, "
+                f"`carry apply {self.name} --upstream {self.version}` rebuilds the branch from the files, "
                 "then `carry export` records them as a new revision"
             )
 
