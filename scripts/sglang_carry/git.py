@@ -128,23 +128,30 @@ class Git:
 
     def git_path(self, name: str) -> Path:
         """Where git keeps ``name`` for this checkout (worktree-aware: never a hard-coded .git/)."""
-        return self.repo / self.out("rev-parse", "--git-path", name)
+        return self.git_paths(name)[name]
+
+    def git_paths(self, *names: str) -> dict[str, Path]:
+        args = [arg for name in names for arg in ("--git-path", name)]
+        found = self.out("rev-parse", *args).splitlines()
+        return {name: self.repo / path for name, path in zip(names, found, strict=True)}
 
     def operation_in_progress(self) -> Operation | None:
         """The am, rebase, merge, cherry-pick or revert that stopped here, if any."""
-        apply_dir = self.git_path("rebase-apply")
-        if apply_dir.is_dir():
+        paths = self.git_paths(
+            "rebase-apply", "rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD", "sequencer"
+        )
+        if paths["rebase-apply"].is_dir():
             # git am and the apply backend of git rebase share rebase-apply/; am leaves "applying".
-            return _AM if (apply_dir / "applying").exists() else _REBASE
-        if self.git_path("rebase-merge").is_dir():
+            return _AM if (paths["rebase-apply"] / "applying").exists() else _REBASE
+        if paths["rebase-merge"].is_dir():
             return _REBASE
-        if self.git_path("MERGE_HEAD").exists():
+        if paths["MERGE_HEAD"].exists():
             return _MERGE
-        if self.git_path("CHERRY_PICK_HEAD").exists():
+        if paths["CHERRY_PICK_HEAD"].exists():
             return _CHERRY_PICK
-        if self.git_path("REVERT_HEAD").exists():
+        if paths["REVERT_HEAD"].exists():
             return _REVERT
-        sequencer_todo = self.git_path("sequencer") / "todo"
+        sequencer_todo = paths["sequencer"] / "todo"
         if sequencer_todo.exists():
             first = sequencer_todo.read_text().split(maxsplit=1)
             return _REVERT if first and first[0] in ("revert", "r") else _CHERRY_PICK
@@ -159,7 +166,9 @@ class Git:
     def nearest_tag(self, ref: str, pattern: str) -> str | None:
         """The closest tag matching ``pattern`` that ``ref`` descends from."""
         result = self.run("describe", "--tags", "--abbrev=0", "--match", pattern, ref, check=False)
-        return result.stdout.strip() or None if result.returncode == 0 else None
+        if result.returncode != 0:
+            return None
+        return result.stdout.strip() or None
 
     def unmerged_paths(self) -> list[str]:
         return self.out("diff", "--name-only", "--diff-filter=U").splitlines()

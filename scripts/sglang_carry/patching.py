@@ -120,7 +120,7 @@ def require_line_ready(project: Project, target: Target, series: Series, runner:
     """Everything `carry build` and `carry verify` need before they trust the branch: a series
     (or a line that carries nothing on purpose), recorded, and a branch on the right upstream
     that reproduces it exactly."""
-    series.require_something_to_carry("a build" if command == "carry build" else "verifying it")
+    series.require_something_to_carry()
     series.require_current_revision()
     git = open_checkout(project, target, runner, command)
     state = branch_state(git, target, series, project.scratch_dir)
@@ -245,7 +245,7 @@ def export(project: Project, target: Target, force: bool = False, runner: Runner
             f"{target.branch} has {len(names)} commit(s): delete that file if the line carries patches "
             "now; nothing was written"
         )
-    if not names and not folder.exists:
+    if not names and (not folder.exists or folder.carries_nothing is not None):
         print(f"export: {target.label}: no patches on {target.branch}, nothing to write")
         return 0
     _refuse_overwriting_strays(folder, names)

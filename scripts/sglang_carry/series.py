@@ -82,13 +82,13 @@ class Series:
                 "then `carry export` records them as a new revision"
             )
 
-    def require_something_to_carry(self, what: str) -> None:
+    def require_something_to_carry(self) -> None:
         """Refuse to build or verify a line nobody has ported the series to (it would be upstream
         with a +carry version), unless the line says it carries nothing on purpose."""
         if self.entries or self.carries_nothing is not None:
             return
         raise CarryError(
-            f"{self.name} {self.version} has no series in {self.label}, so {what} would be plain upstream: "
+            f"{self.name} {self.version} has no series in {self.label}, so it would be plain upstream: "
             f"port the series to it (commit on carry/{self.version}, then `carry export`), write why it "
             f"carries nothing into {self.label}/{CARRIES_NOTHING_FILE}, or pick another line with --upstream"
         )

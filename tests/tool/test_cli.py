@@ -98,3 +98,15 @@ def test_closed_stdout_is_one_line(demo: DemoProject) -> None:
     assert process.wait() == 141
     assert err.count("\n") == 1
     assert err.startswith("carry status: error: stdout was closed before the output ended")
+
+
+def test_unexpected_os_error_is_one_line_with_the_path(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    demo.fetch()
+    demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
+    (demo.root / "patches" / "demo").write_text("a file where a folder belongs\n")
+    assert demo.carry("export", "demo") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"carry export: error: {demo.root / 'patches' / 'demo'}")

@@ -37,7 +37,7 @@ def test_unpatched_new_line_is_refused_by_build_and_verify(
     demo: DemoProject, capsys: pytest.CaptureFixture[str]
 ) -> None:
     carry_fix_and_pin_a_new_release(demo)
-    with pytest.raises(CarryError, match=r"demo 1.1 has no series in patches/demo/1.1, so a build would be"):
+    with pytest.raises(CarryError, match=r"demo 1.1 has no series in patches/demo/1.1, so it would be plain"):
         build(demo.project, demo.target(version="1.1"))
     with pytest.raises(CarryError, match=r"demo 1.1 has no series in patches/demo/1.1"):
         verify(demo.project, [demo.target(version="1.1")], sys.executable, demo.pip)
@@ -95,3 +95,17 @@ def test_rebase_in_progress_is_refused(demo: DemoProject, capsys: pytest.Capture
     assert demo.carry("status", "demo") == 1
     assert "git rebase in progress" in capsys.readouterr().out
     assert git(demo.checkout, "status", "--porcelain").stdout == status_before
+
+
+def test_export_beside_carries_nothing(demo: DemoProject) -> None:
+    demo.fetch()
+    demo.series_dir.mkdir(parents=True)
+    (demo.series_dir / "carries-nothing").write_text("upstream has every fix\n")
+    assert export(demo.project, demo.target()) == 0
+    assert [p.name for p in demo.series_dir.iterdir()] == ["carries-nothing"]
+    demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
+    with pytest.raises(
+        CarryError, match=r"carries-nothing says demo 1.0 carries nothing, but carry/1.0 has 1"
+    ):
+        export(demo.project, demo.target())
+    assert [p.name for p in demo.series_dir.iterdir()] == ["carries-nothing"]
