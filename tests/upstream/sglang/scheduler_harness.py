@@ -44,7 +44,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from unittest import mock
 
 import torch
@@ -81,6 +81,7 @@ from sglang.srt.mem_cache.pool_host import common as host_pool_common
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.session.session_controller import Session
@@ -318,6 +319,54 @@ class FakeCacheLinker:
 
 
 @dataclass
+class FakeTokenizerChannel:
+    """The scheduler's channel to the tokenizer manager (a ZMQ socket): outputs are kept."""
+
+    outputs: list[Any] = field(default_factory=list)
+
+    def send_output(self, output: Any, req: Any = None) -> None:
+        self.outputs.append(output)
+
+
+@dataclass
+class FakeIpcChannels:
+    send_to_tokenizer: FakeTokenizerChannel = field(default_factory=FakeTokenizerChannel)
+
+
+@dataclass
+class MetricsReporterStub:
+    """What the scheduler reads of SchedulerMetricsReporter when it counts something."""
+
+    enable_metrics: bool
+    metrics_collector: Any
+
+
+class RecordingMetric:
+    """prometheus_client stand-in for SchedulerMetricsCollector's injection hooks
+    (`_counter_cls`, ...): every metric the collector creates is kept by name, with the sum of
+    what it was given (Prometheus export is the I/O boundary)."""
+
+    created: ClassVar[dict[str, RecordingMetric]] = {}
+
+    def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self.name = name
+        self.total = 0.0
+        RecordingMetric.created[name] = self
+
+    def labels(self, **labels: Any) -> RecordingMetric:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        self.total += amount
+
+    def set(self, value: float) -> None:
+        self.total = value
+
+    def observe(self, value: float) -> None:
+        self.total += value
+
+
+@dataclass
 class CpuModelRunner:
     """The model runner attributes the scheduler reads during prefill scheduling."""
 
@@ -367,6 +416,12 @@ def _no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int 
     call with nothing to do on CPU. The host buffer itself is allocated for real."""
 
 
+def num_prefill_unwinds(h: Harness) -> int:
+    """Prefill batches the scheduler put back (a class attribute of the patched Scheduler;
+    pristine has none)."""
+    return int(getattr(h.scheduler, "num_prefill_unwinds", 0))
+
+
 # --------------------------------------------------------------------------------------------
 # Configuration and the harness object
 # --------------------------------------------------------------------------------------------
@@ -386,10 +441,17 @@ class HarnessConfig:
     hicache_ratio: float = 2.0
     auto_complete_events: bool = True
     enable_overlap: bool = True  # the default (no --disable-overlap-schedule)
-    # Tensor parallel hooks (tp_size > 1 needs torch.distributed initialised with gloo and the
-    # group passed here; the harness only builds what a single rank holds).
+    # Parallel groups (torch.distributed initialised with gloo, the groups passed here; the
+    # harness only builds what a single rank holds). As in the real scheduler they are distinct
+    # objects (scheduler.py:1210-1214): the TP group, the attention-TP and attention-CP groups.
     tp_size: int = 1
     tp_cpu_group: Any = None
+    attn_tp_cpu_group: Any = None
+    attn_cp_cpu_group: Any = None
+    enable_dp_attention: bool = False
+    # The KV allocator declares that its free space is decided per rank (`rank_local_capacity`),
+    # as kvcached's elastic pools are: the ranks must then agree on every prefill round.
+    elastic: bool = False
 
 
 @dataclass
@@ -445,14 +507,13 @@ class Harness:
         return req
 
     def run_round(self) -> ScheduleBatch | None:
-        """One call of the real `_get_new_batch_prefill_raw`, as get_new_batch_prefill makes it
-        with no prefill delayer (scheduler.py:3741-3744). Updates `scheduler.running_batch`."""
+        """One prefill round: the real `get_new_batch_prefill` (no prefill delayer), which calls
+        `_get_new_batch_prefill_raw` (scheduler.py:3740-3765). Updates `scheduler.running_batch`."""
         sched = self.scheduler
-        batch, sched.running_batch = sched._get_new_batch_prefill_raw(
-            prefill_delayer_single_pass=None, running_batch=sched.running_batch
-        )
-        self.last_batch = batch
-        return batch
+        plan = sched.get_new_batch_prefill(sched.running_batch)
+        sched.running_batch = plan.running_batch
+        self.last_batch = plan.batch_to_run
+        return plan.batch_to_run
 
     def prepare_next_round(self) -> None:
         """What the event loop does between two prefill rounds, before the next
@@ -637,6 +698,22 @@ class Harness:
         self.req_to_token_pool.reset_aux_cache_allocator()
         self.device.complete_all()
         self.device_log.clear()
+
+    def enable_metrics(self) -> dict[str, RecordingMetric]:
+        """Turn the scheduler's metrics on with the real `SchedulerMetricsCollector`, its
+        Prometheus classes swapped for `RecordingMetric`. Returns the metrics by name."""
+
+        class RecordingCollector(SchedulerMetricsCollector):
+            _counter_cls = _gauge_cls = _histogram_cls = _summary_cls = RecordingMetric
+
+        RecordingMetric.created = {}
+        collector = RecordingCollector(
+            labels={"model_name": "tiny", "moe_ep_rank": 0}, server_args=self.scheduler.server_args
+        )
+        self.scheduler.metrics_reporter = MetricsReporterStub(
+            enable_metrics=True, metrics_collector=collector
+        )
+        return RecordingMetric.created
 
     # ---- pool state ---------------------------------------------------------------------
     def free_counts(self) -> dict[str, int]:
@@ -902,6 +979,8 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
 
     model_config = ModelConfig.from_server_args(server_args)  # what init_model_config does (:781)
     req_to_token_pool, allocator = _build_pools(cfg, model_config)
+    if cfg.elastic:
+        allocator.rank_local_capacity = True
     worker = CpuModelWorker(
         CpuModelRunner(attn_backend=object(), forward_stream=FakeStream(device, "forward"))
     )
@@ -912,8 +991,10 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         page_size=cfg.page_size,
-        tp_cache_group=cfg.tp_cpu_group,
-        attn_tp_cache_group=cfg.tp_cpu_group,
+        # kv_cache_builder.py:316-321
+        tp_cache_group=cfg.attn_tp_cpu_group if cfg.enable_dp_attention else cfg.tp_cpu_group,
+        attn_cp_cache_group=cfg.attn_cp_cpu_group,
+        attn_tp_cache_group=cfg.attn_tp_cpu_group,
         eviction_policy=runtime_context.get_memory().radix_eviction_policy,
         enable_mamba_extra_buffer=runtime_context.get_exec().mamba.enable_mamba_extra_buffer,
         chunked_prefill_size=cfg.chunked_prefill_size,
@@ -1077,7 +1158,13 @@ def _make_scheduler(
     # -- distributed handles: not read by the pristine method; a patched unwind that agrees
     #    across TP ranks would use them (init_model_worker :1198-1201 sets them from the groups).
     s.tp_cpu_group = cfg.tp_cpu_group
-    s.attn_tp_cpu_group = cfg.tp_cpu_group
+    s.attn_tp_cpu_group = cfg.attn_tp_cpu_group
+    s.attn_cp_cpu_group = cfg.attn_cp_cpu_group
+    s.enable_dp_attention = cfg.enable_dp_attention
+    # I/O boundary: what the scheduler sends to the tokenizer (aborts) is kept, not sent.
+    s.ipc_channels = FakeIpcChannels()
+    # Metrics off, as by default; a test turns them on with `enable_metrics()`.
+    s.metrics_reporter = MetricsReporterStub(enable_metrics=False, metrics_collector=None)
     # :617-622: HiCache loads are fenced behind the forward stream.
     if tree_cache.cache_controller is not None:
         tree_cache.cache_controller.load_fence_stream = worker.model_runner.forward_stream

@@ -1,4 +1,5 @@
-"""The prefill allocation-miss unwind (carry patch "WIP prefill unwind", sgl-project/sglang#34676).
+"""The prefill allocation-miss unwind (series entry "Scheduler: unwind a prefill batch whose
+allocation misses instead of dying", sgl-project/sglang#34676).
 
 When `prepare_for_extend` cannot allocate although admission said yes (an elastic kvcached pool, an
 undersized Mamba pool), 0.5.20 raises out of `Scheduler._get_new_batch_prefill_raw` and the
@@ -6,8 +7,8 @@ scheduler process dies. With the patch the round returns None and the batch goes
 of the waiting queue with nothing held. Everything below the scheduler is the real upstream code
 (see scheduler_harness.py); a miss is a real pool whose alloc reports None (`arm_miss`).
 
-Expected: these tests FAIL on pristine 0.5.20 and PASS with the patch, except the tests named
-`*_bug_*`, which show defects of the patch (see REPORT.md) and pass with the fixes branch.
+Expected: these tests FAIL on pristine 0.5.20 and PASS with the patch. Tests named `*_bug_*` pin
+defects found in earlier versions of the patch.
 """
 
 from __future__ import annotations
@@ -46,11 +47,6 @@ def _prompt(i: int, length: int = 20) -> list[int]:
 
 def _unwind_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == SCHEDULER_LOGGER and "unwound" in r.getMessage()]
-
-
-def _num_unwinds(h: sh.Harness) -> int:
-    # The counter is a class attribute of the patched Scheduler; pristine has none.
-    return int(getattr(h.scheduler, "num_prefill_unwinds", 0))
 
 
 def _holds_nothing(req: Req) -> bool:
@@ -145,7 +141,7 @@ def test_miss_unwinds_the_batch(case: SiteCase, caplog: pytest.LogCaptureFixture
         assert sched.waiting_queue == [*reqs, behind]
         assert all(_holds_nothing(r) for r in reqs)
         assert sched.chunked_req is None
-        assert _num_unwinds(h) == 1
+        assert sh.num_prefill_unwinds(h) == 1
         assert len(_unwind_records(caplog)) == 1
         assert sched.prefill_unwind_admit_cap == ADMITTED // 2
         after = h.free_counts()
@@ -168,7 +164,7 @@ def test_miss_unwinds_the_batch(case: SiteCase, caplog: pytest.LogCaptureFixture
         for req in retry.reqs:
             h.finish_request(req)
         assert _drain(h) == [r.rid for r in reqs[ADMITTED // 2 :]] + [behind.rid]
-        assert _num_unwinds(h) == 1
+        assert sh.num_prefill_unwinds(h) == 1
         assert h.idle_leak_report() == []
 
 
@@ -279,7 +275,7 @@ def test_continuing_chunked_request_keeps_its_state(config: dict[str, Any], leng
         assert _chunked_state(h, long) == state  # row, Mamba slots, lock, inflight count kept
         assert _holds_nothing(short)
         assert h.free_counts() == before
-        assert _num_unwinds(h) == 1
+        assert sh.num_prefill_unwinds(h) == 1
 
         # The next round schedules the same chunk again, from the same prefix.
         retry = h.run_round()
@@ -411,33 +407,51 @@ def test_other_exceptions_propagate_unchanged(caplog: pytest.LogCaptureFixture) 
             h.run_round()
 
         assert raised.value is error
-        assert _num_unwinds(h) == 0
+        assert sh.num_prefill_unwinds(h) == 0
         assert _unwind_records(caplog) == []
 
 
 # --------------------------------------------------------------------------------------------
-# Two tensor-parallel ranks over gloo: one misses, both unwind
+# Two ranks over gloo, with the parallel groups as distinct objects
 # --------------------------------------------------------------------------------------------
 RANKS = 2
-RANK_TIMEOUT_S = 120  # join limit per process; the collectives themselves time out after 30 s
+RANK_TIMEOUT_S = 180  # join limit; the collectives themselves time out after 30 s
+MISSING_RANK = 1
+Topology = Literal["tp", "cp", "dp_attention"]
 
 
 class RankScenario(NamedTuple):
     config: dict[str, Any]
-    site: sh.MissSite
-    first: Literal["fresh", "session", "chunked"]  # what the unwound batch starts with
+    topology: Topology  # which group spans both ranks (see _groups)
+    site: sh.MissSite | None  # armed on MISSING_RANK only
+    first: Literal["fresh", "session", "chunked", "host"]  # what the round's batch starts with
+    # Rank 0's elastic pool reports only this many free tokens during the round (kvcached
+    # computes free space per rank), so it admits less than rank 1.
+    rank0_free_tokens: int | None = None
 
 
+ELASTIC: dict[str, Any] = {"elastic": True}
 RANK_SCENARIOS = {
-    "mamba_ping_pong": RankScenario(PING_PONG, "token_slots", "fresh"),
+    "tp_mamba_ping_pong": RankScenario({**PING_PONG, **ELASTIC}, "tp", "token_slots", "fresh"),
     # page 4, a streaming-session turn on a 30-token prefix: its extend starts inside the
-    # prefix's last page, which `release_extend_allocation` must not free on the rank that did
-    # not miss.
-    "paged_session": RankScenario({"page_size": 4}, "paged_extend", "session"),
+    # prefix's last page, which `give_back_extend` must not free on the rank that did not miss.
+    "tp_paged_session": RankScenario({"page_size": 4, **ELASTIC}, "tp", "paged_extend", "session"),
     # A continuing chunked request with ping-pong tracking (its second chunk is unwound).
-    "chunked_ping_pong": RankScenario({**PING_PONG, "chunked_prefill_size": CHUNK}, "token_slots", "chunked"),
+    "tp_chunked_ping_pong": RankScenario(
+        {**PING_PONG, "chunked_prefill_size": CHUNK, **ELASTIC}, "tp", "token_slots", "chunked"
+    ),
+    # Context parallel: the attention-CP group spans the ranks, attention-TP is one rank each.
+    "cp_mamba": RankScenario({**MAMBA, **ELASTIC}, "cp", "token_slots", "fresh"),
+    # DP attention: each rank schedules its own batch; TP spans both ranks but must not agree.
+    "dp_attention_mamba": RankScenario({**MAMBA, **ELASTIC}, "dp_attention", "token_slots", "fresh"),
+    # No miss: rank 0's pool reports less free space, so the ranks admit different batches.
+    "tp_skewed_free": RankScenario(ELASTIC, "tp", None, "fresh", rank0_free_tokens=40),
+    # A host hit: the round starts a HiCache load on both ranks, rank 1 misses.
+    "tp_hicache_host": RankScenario(
+        {**MAMBA, **ELASTIC, "hicache": True, "auto_complete_events": False}, "tp", "token_slots", "host"
+    ),
 }
-MISSING_RANK = 1
+UNWIND_BOTH = ["tp_mamba_ping_pong", "tp_paged_session", "tp_chunked_ping_pong", "cp_mamba"]
 
 
 def _req_state(req: Req) -> tuple[Any, ...]:
@@ -458,6 +472,24 @@ def _req_state(req: Req) -> tuple[Any, ...]:
     )
 
 
+def _release_order(entries: list[tuple[str, str]]) -> dict[str, Any]:
+    """Where, in a rank's device log, it waited on a load and, once the load started, released a
+    lock or a Mamba slot (admission's own releases come before the load starts)."""
+    starts = [i for i, (op, name) in enumerate(entries) if op == "record" and name.startswith("load")]
+    load_start = starts[0] if starts else len(entries)
+    syncs = [i for i, (op, _) in enumerate(entries) if op == "synchronize"]
+    releases = [
+        i for i, (op, _) in enumerate(entries) if i > load_start and op in ("dec_lock_ref", "mamba_free")
+    ]
+    locks = [i for i in releases if entries[i][0] == "dec_lock_ref"]
+    return {
+        "synchronized": [entries[i][1] for i in syncs],
+        "first_sync": syncs[0] if syncs else None,
+        "first_release": releases[0] if releases else None,
+        "first_lock_release": locks[0] if locks else None,
+    }
+
+
 def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str, Any]:
     sched = h.scheduler
     reqs: list[Req] = []
@@ -467,12 +499,27 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
         reqs.append(h.add_request([*first_turn, 5, 6, 7, 8, 9], session=session))
     elif scenario.first == "chunked":
         reqs.append(_start_chunked(h, 100))  # both ranks run its first chunk
+    elif scenario.first == "host":
+        h.put_prefix_on_host(PREFIX)
+        reqs.append(h.add_request([*PREFIX, 7, 8, 9]))
     reqs += [h.add_request(_prompt(i)) for i in range(4 - len(reqs))]
     before = h.free_counts()
     protected_before = h.tree_cache.protected_size()
-    armed = h.arm_miss(scenario.site) if rank == MISSING_RANK else contextlib.nullcontext([])
-    with armed as reported:
+    h.device_log.clear()
+    with contextlib.ExitStack() as stack:
+        reported = stack.enter_context(
+            h.arm_miss(scenario.site)
+            if rank == MISSING_RANK and scenario.site
+            else contextlib.nullcontext([])
+        )
+        if rank == 0 and scenario.rank0_free_tokens is not None:
+            free = scenario.rank0_free_tokens
+            stack.enter_context(
+                mock.patch.object(h.token_to_kv_pool_allocator, "available_size", lambda: free)
+            )
+        stack.enter_context(h.spy_releases())
         batch = h.run_round()
+    consumer = [int(name) for op, name in h.device_log.entries if op == "consumer"]
     result: dict[str, Any] = {
         "batch": None if batch is None else [r.rid for r in batch.reqs],
         "reported": list(reported),
@@ -480,18 +527,42 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
         "after": h.free_counts(),
         "queue": [r.rid for r in sched.waiting_queue],
         "chunked": None if sched.chunked_req is None else sched.chunked_req.rid,
-        "unwinds": _num_unwinds(h),
+        "unwinds": sh.num_prefill_unwinds(h),
+        "cap": sched.prefill_unwind_admit_cap,
         "protected": (protected_before, h.tree_cache.protected_size()),
         "state_after_unwind": [_req_state(r) for r in reqs],
+        "order": _release_order(h.device_log.entries),
+        "finish_event": (
+            h.layer_done_counter.events[consumer[0]].finish_event.name
+            if consumer and consumer[0] >= 0
+            else None
+        ),
     }
+    h.prepare_next_round()
     retry = h.run_round()
     result["retry"] = None if retry is None else [r.rid for r in retry.reqs]
     result["state_after_retry"] = [_req_state(r) for r in reqs]
     return result
 
 
-def _rank_main(rank: int, store: str, results: Any) -> None:
-    """One TP rank: a gloo group on CPU, the harness with that group as attn_tp_cpu_group."""
+def _groups(topology: Topology, rank: int, world: Any, pair: Any, singles: list[Any]) -> dict[str, Any]:
+    """The harness's groups for one rank: `pair` spans both ranks, `singles[rank]` is this rank
+    alone, and the TP group is `world`, an object distinct from `pair`."""
+    alone = singles[rank]
+    if topology == "tp":
+        return {"tp_cpu_group": world, "attn_tp_cpu_group": pair, "attn_cp_cpu_group": alone}
+    if topology == "cp":
+        return {"tp_cpu_group": world, "attn_tp_cpu_group": alone, "attn_cp_cpu_group": pair}
+    return {
+        "tp_cpu_group": world,
+        "attn_tp_cpu_group": alone,
+        "attn_cp_cpu_group": alone,
+        "enable_dp_attention": True,
+    }
+
+
+def _rank_main(rank: int, store: str, names: list[str], results: Any) -> None:
+    """One rank: gloo on CPU, every group built by both ranks in the same order."""
     try:
         dist.init_process_group(
             "gloo",
@@ -500,13 +571,17 @@ def _rank_main(rank: int, store: str, results: Any) -> None:
             world_size=RANKS,
             timeout=datetime.timedelta(seconds=30),
         )
-        group = dist.new_group(list(range(RANKS)), backend="gloo")
+        world = dist.new_group(list(range(RANKS)), backend="gloo")
+        pair = dist.new_group(list(range(RANKS)), backend="gloo")
+        singles = [dist.new_group([r], backend="gloo") for r in range(RANKS)]
+        assert world is not pair
         out: dict[str, Any] = {}
-        for name, scenario in RANK_SCENARIOS.items():
-            with sh.build_harness(**scenario.config, tp_size=RANKS, tp_cpu_group=group) as h:
-                # The patch agrees over attn_tp_cpu_group (_agree_on_prefill_unwind).
-                assert h.scheduler.attn_tp_cpu_group is group
+        for name in names:
+            scenario = RANK_SCENARIOS[name]
+            groups = _groups(scenario.topology, rank, world, pair, singles)
+            with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
                 out[name] = _rank_scenario(h, rank, scenario)
+            dist.barrier(group=world)  # a hung scenario shows up as a timeout here
         dist.destroy_process_group()
         results.put((rank, out, None))
     except BaseException:
@@ -528,9 +603,8 @@ class TwoRanks(NamedTuple):
         return {rank: result[name] for rank, result in self.results.items()}
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> TwoRanks:
-    """Run both ranks once for the module. Fork (not spawn) so the children reuse the imported
+def run_two_ranks(names: list[str]) -> TwoRanks:
+    """Run the named scenarios on two ranks. Fork (not spawn) so the children reuse the imported
     sglang modules: a spawned child would re-import for 10-30 s."""
     with sh.build_harness():  # import sglang's model registry once, before forking
         pass
@@ -539,7 +613,7 @@ def two_ranks() -> TwoRanks:
     out = TwoRanks({}, [])
     with tempfile.TemporaryDirectory(prefix="unwind-gloo-") as tmp:
         store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_rank_main, args=(rank, store, results)) for rank in range(RANKS)]
+        procs = [ctx.Process(target=_rank_main, args=(rank, store, names, results)) for rank in range(RANKS)]
         for proc in procs:
             proc.start()
         try:
@@ -560,7 +634,14 @@ def two_ranks() -> TwoRanks:
     return out
 
 
-@pytest.mark.parametrize("name", RANK_SCENARIOS.keys())
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    """The scenarios of this module, run once on both ranks (the HiCache one belongs to the wait
+    entry, test_unwind_waits_for_load.py)."""
+    return run_two_ranks([name for name in RANK_SCENARIOS if name != "tp_hicache_host"])
+
+
+@pytest.mark.parametrize("name", UNWIND_BOTH)
 def test_two_ranks_one_miss_both_unwind(two_ranks: TwoRanks, name: str) -> None:
     ranks = two_ranks.scenario(name)
     site = RANK_SCENARIOS[name].site
@@ -573,6 +654,7 @@ def test_two_ranks_one_miss_both_unwind(two_ranks: TwoRanks, name: str) -> None:
         assert protected_after == protected_before, rank  # admission locks released
     assert ranks[0]["queue"] == ranks[1]["queue"] != []
     assert ranks[0]["chunked"] == ranks[1]["chunked"]
+    assert ranks[0]["cap"] == ranks[1]["cap"] is not None
     # The next round (nothing armed) schedules the same requests on both ranks: the chunked
     # request, if any, then at most half of the unwound batch.
     chunked = [] if ranks[0]["chunked"] is None else [ranks[0]["chunked"]]
@@ -580,17 +662,40 @@ def test_two_ranks_one_miss_both_unwind(two_ranks: TwoRanks, name: str) -> None:
     assert ranks[0]["retry"][: len(chunked)] == chunked
 
 
-@pytest.mark.parametrize("name", RANK_SCENARIOS.keys())
-def test_bug_two_ranks_requests_stay_in_step(two_ranks: TwoRanks, name: str) -> None:
-    """The rank that did not miss ran prepare_for_extend to the end before the ranks agreed: it
-    advanced each request's cached_tokens / already_computed / extend_batch_idx (and, for a Mamba
-    extend long enough to be tracked, its ping-pong indices), which its unwind does not roll back.
-    Its requests then diverge from the missing rank's: rank 0, which reports to the client,
-    returns a negative cached_tokens for the retried request."""
+@pytest.mark.parametrize("name", UNWIND_BOTH)
+def test_two_ranks_requests_stay_in_step(two_ranks: TwoRanks, name: str) -> None:
+    """The rank that did not miss must not move its requests' prefill progress on (cached_tokens,
+    already_computed, extend_batch_idx, ping-pong indices) before the ranks agree: after the
+    unwind and after the retry both ranks know the same about every request."""
     ranks = two_ranks.scenario(name)
     assert ranks[0]["state_after_unwind"] == ranks[1]["state_after_unwind"]
     assert ranks[0]["state_after_retry"] == ranks[1]["state_after_retry"]
     assert all(state[5] >= 0 for r in ranks.values() for state in r["state_after_retry"])
+
+
+def test_dp_attention_ranks_do_not_agree(two_ranks: TwoRanks) -> None:
+    """Under DP attention each rank schedules its own batch (attention-TP is one rank each):
+    rank 1's miss unwinds rank 1 only, and the TP group, which spans both, is not used."""
+    ranks = two_ranks.scenario("dp_attention_mamba")
+    assert ranks[MISSING_RANK]["batch"] is None and ranks[MISSING_RANK]["unwinds"] == 1
+    assert ranks[0]["batch"] is not None and len(ranks[0]["batch"]) == 4
+    assert ranks[0]["unwinds"] == 0 and ranks[0]["cap"] is None
+
+
+def test_two_ranks_that_admit_differently_both_put_back(two_ranks: TwoRanks) -> None:
+    """Rank 0's pool reports less free space, so it admits fewer requests than rank 1. Neither
+    runs its batch (that would run different batches on the ranks of one TP group); both put it
+    back, no request is charged a miss, and the next round, capped alike, runs the same batch."""
+    ranks = two_ranks.scenario("tp_skewed_free")
+    assert ranks[0]["state_after_unwind"] == ranks[1]["state_after_unwind"]
+    for r in ranks.values():
+        assert r["reported"] == []
+        assert r["batch"] is None
+        assert r["after"] == r["before"]
+    assert ranks[0]["unwinds"] + ranks[1]["unwinds"] >= 1
+    assert ranks[0]["cap"] == ranks[1]["cap"] is not None
+    assert ranks[0]["queue"] == ranks[1]["queue"]
+    assert ranks[0]["retry"] is not None and ranks[0]["retry"] == ranks[1]["retry"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -687,7 +792,7 @@ def _soak_round(h: sh.Harness, rng: random.Random, cfg: SoakConfig, ledger: Soak
     if batch is None:
         if reported:
             ledger.unwinds += 1
-            assert _num_unwinds(h) == ledger.unwinds
+            assert sh.num_prefill_unwinds(h) == ledger.unwinds
             # Same requests queued, same order (the unwound ones went back to the head).
             assert sorted(r.rid for r in sched.waiting_queue) == sorted(queued_before)
             assert sched.chunked_req is chunked_before

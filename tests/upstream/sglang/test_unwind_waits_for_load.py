@@ -1,5 +1,5 @@
-"""An unwound prefill waits for its own HiCache load before releasing anything (carry patch "WIP wait
-before release").
+"""An unwound prefill waits for its own HiCache load before releasing anything (series entry
+"Scheduler: wait for the batch's HiCache load before an unwind releases anything").
 
 `ready_to_load_host_cache` starts the batch's host-to-device load (scheduler.py:4012-4016) before
 `prepare_for_extend` can miss (:4018). If the unwind then released the admission locks or the
@@ -13,9 +13,7 @@ log, and with `auto_complete_events=False` a load stays pending until its event 
 (`mamba_allocator.free`) into the same log, each with the load events still pending at that moment.
 
 Expected: these tests FAIL with the unwind alone and PASS with the wait too (pristine 0.5.20 fails:
-it has no unwind). `test_nothing_released_before_the_wait` also fails with the wait for the
-configurations named in REPORT.md (the miss's own rollback frees before the wait) and passes with
-the fixes branch.
+it has no unwind).
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from unittest import mock
 
 import pytest
 import scheduler_harness as sh
+import test_prefill_unwind
 
 PREFIX = list(range(100, 132))  # 32 tokens: whole pages for page_size 1 and 4
 PING_PONG: dict[str, Any] = {"mamba": True, "ping_pong": True}
@@ -134,9 +133,10 @@ def test_no_host_load_no_wait(name: str) -> None:
         assert log.ops("dec_lock_ref")  # the unwind did release the admission locks
 
 
-def test_linker_no_wait() -> None:
-    """With an external cache linker the consumer index is the linker's (it loads on its own
-    thread, which no event here orders): the unwind does not wait on the controller's ring."""
+def test_linker_load_is_not_unwound() -> None:
+    """With an external cache linker the batch's load runs on the linker's own thread, which no
+    event here orders: the unwind must not release the locks and Mamba slots it may still be
+    writing. The miss stops the scheduler, as on 0.5.20, with a message that says why."""
     with sh.build_harness(hicache=True, auto_complete_events=False) as h:
         h.put_prefix_on_host(PREFIX)
         linker = sh.FakeCacheLinker(start_index=0)
@@ -144,12 +144,35 @@ def test_linker_no_wait() -> None:
         h.add_request([*PREFIX, 7, 8, 9])
         h.add_request(_prompt(0))
         h.device_log.clear()
-        with h.spy_releases(), h.arm_miss("token_slots"):
-            assert h.run_round() is None
-        assert linker.started == 1
-        assert h.device_log.ops("consumer") == ["0"]  # slot 0: without the linker check it would wait
-        assert _waits(h.device_log.entries) == []
-        h.tree_cache.linker = None  # the fake holds nothing to shut down
+        try:
+            with h.spy_releases(), h.arm_miss("token_slots"), pytest.raises(RuntimeError) as raised:
+                h.run_round()
+            assert "external cache linker" in str(raised.value)
+            assert linker.started == 1
+            assert h.device_log.ops("consumer") == ["0"]
+            entries = h.device_log.entries
+            load_started = entries.index(("consumer", "0"))
+            assert [op for op, _ in entries[load_started:] if op in RELEASES] == []  # nothing released
+            assert _waits(h.device_log.entries) == []
+            assert sh.num_prefill_unwinds(h) == 0
+        finally:
+            h.tree_cache.linker = None  # the fake holds nothing to shut down
+
+
+def test_linker_without_load_unwinds() -> None:
+    """A linker that started no load for the batch (consumer -1): nothing to race, the unwind
+    goes ahead."""
+    with sh.build_harness(hicache=True, auto_complete_events=False) as h:
+        linker = sh.FakeCacheLinker(start_index=-1)
+        h.tree_cache.linker = linker
+        h.add_request(_prompt(0))
+        try:
+            with h.arm_miss("token_slots"):
+                assert h.run_round() is None
+            assert sh.num_prefill_unwinds(h) == 1
+            assert _waits(h.device_log.entries) == []
+        finally:
+            h.tree_cache.linker = None
 
 
 def test_hicache_off_no_wait() -> None:
@@ -228,23 +251,26 @@ STRICT_CASES = {
 @pytest.mark.parametrize("case", STRICT_CASES.values(), ids=STRICT_CASES.keys())
 def test_nothing_released_before_the_wait(case: StrictCase) -> None:
     """The patch's own contract: once the load started, no lock is released and no Mamba slot is
-    freed before the wait. Frees inside a `HybridReqToTokenPool.alloc` call that misses (the pool
-    undoing its own partial allocation, so that None means "nothing taken") belong to that
-    failed call, not to a release; they are allowed before the wait but must not touch a slot
-    the load writes into."""
+    freed before the wait. Frees inside the `allocate_for_extend` call that misses (the batch's
+    allocation undoing what it took in that call, so that a miss leaves nothing half-allocated)
+    belong to that failed call, not to a release: those slots were free when the load started,
+    so they are allowed before the wait but must never be a slot the load writes into."""
     with sh.build_harness(hicache=True, auto_complete_events=False, **CONFIGS[case.config]) as h:
-        pool = h.req_to_token_pool
-        real_alloc = pool.alloc
         log = h.device_log
+        real_allocate = sh.ScheduleBatch.allocate_for_extend
 
-        def alloc(reqs: list[Any]) -> Any:
-            # Bracket the pool call in the log, to tell its own rollback from later releases.
+        def allocate_for_extend(batch: Any) -> Any:
+            # Bracket the allocation in the log, to tell its own rollback from later releases.
             log.add("pool_alloc", "begin")
-            result = real_alloc(reqs)
-            log.add("pool_alloc", "miss" if result is None else "ok")
+            try:
+                result = real_allocate(batch)
+            except RuntimeError:
+                log.add("pool_alloc", "miss")
+                raise
+            log.add("pool_alloc", "ok")
             return result
 
-        with mock.patch.object(pool, "alloc", alloc):
+        with mock.patch.object(sh.ScheduleBatch, "allocate_for_extend", allocate_for_extend):
             unwound = _unwind_with_load(h, case.site, after=case.after)
         targets = h.mamba_load_targets()
         wait = _wait_position(unwound)
@@ -266,3 +292,28 @@ def test_nothing_released_before_the_wait(case: StrictCase) -> None:
             op, detail = unwound.entries[i]
             if op == "mamba_free":
                 assert not _freed_slots(detail) & targets
+
+
+# --------------------------------------------------------------------------------------------
+# Two ranks: the rank that did not miss waits too
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks() -> Any:
+    return test_prefill_unwind.run_two_ranks(["tp_hicache_host"])
+
+
+def test_two_ranks_the_rank_that_did_not_miss_waits_for_its_load(two_ranks: Any) -> None:
+    """Both ranks started the batch's HiCache load; rank 1 missed. Rank 0 allocated, but it too
+    waits host-side on its own load's finish_event before it releases a lock or a Mamba slot.
+    (Rank 1's failed allocation gives back, before the wait, only the slots it took in that call,
+    which no load targets; its admission locks still come after the wait.)"""
+    ranks = two_ranks.scenario("tp_hicache_host")
+    for rank, r in ranks.items():
+        assert r["batch"] is None, rank
+        assert r["finish_event"] is not None, rank
+        order = r["order"]
+        assert order["synchronized"] == [r["finish_event"]], rank
+        assert order["first_lock_release"] is not None, rank
+        assert order["first_sync"] < order["first_lock_release"], rank
+    order = ranks[0]["order"]
+    assert order["first_sync"] < order["first_release"]
