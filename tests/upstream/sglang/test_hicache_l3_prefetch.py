@@ -1,414 +1,64 @@
-"""HiCache L3 prefetch: never judge a prefetch against a page list that is not known yet.
+"""HiCache L3 prefetch and backup: the storage threads, their failures and the timeout budget.
 
-The real 0.5.20 classes are driven here: ``HiCacheController`` with its real storage threads
-(prefetch query, prefetch IO, prefetch sync), ``HiRadixCache`` and the live default
-``UnifiedRadixCache`` (with its real ``HybridCacheController`` and ``HostPoolGroup``). Only the
-hardware and I/O boundary is stood in for: the CUDA events/streams the controller creates, the
-host KV pool (slot bookkeeping only), and the storage backend, whose existence query and page
-reads can be held on ``threading.Event`` gates or made to fail.
+Driven through the real 0.5.20 classes (see prefetch_harness.py): ``HiCacheController`` with its
+real storage threads, ``HiRadixCache`` and the live default ``UnifiedRadixCache``. Only the
+hardware and I/O boundary is stood in for; the storage backend's calls are held on gates,
+slowed down, cut short or made to raise, so every scenario is a forced interleaving, not a race
+left to chance: while the query gate is shut the prefetch thread is provably inside
+``batch_exists`` and ``operation.hash_value`` is provably still empty.
 
-Every scenario is an interleaving forced with those gates, not a race left to chance: while the
-query gate is shut the prefetch thread is provably inside ``batch_exists`` and
-``operation.hash_value`` is provably still empty.
+The two-rank tests fork two gloo ranks, each with its own cache and controller, make the storage
+fail on one rank only, and require the same outcome on both and no hang (bounded wait).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import threading
+import queue
 import time
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+import prefetch_harness as ph
 import pytest
 import torch
-import torch.distributed as dist
+from prefetch_harness import KINDS, OTHER_TOKENS, PAGE_SIZE, POLICIES, TOKENS, Harness
 from sglang.srt.managers import cache_controller as cache_controller_module
-from sglang.srt.mem_cache import hiradix_cache as hiradix_cache_module
-from sglang.srt.mem_cache import l2_transfer as l2_transfer_module
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, MatchPrefixParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang.srt.runtime_context import get_context, get_parallel
 
-KINDS = ("hiradix", "unified")
-PAGE_SIZE = 4
-PREFETCH_THRESHOLD = 8
-HOST_SLOTS = 256
-# Two requests with disjoint prompts, 16 pages each.
-TOKENS = list(range(1000, 1064))
-OTHER_TOKENS = list(range(2000, 2064))
 # How many scheduler rounds the wait_complete test runs while the query is held.
 POLL_ROUNDS = 200
-POLL_S = 0.002
-# Only reached when a test is failing: nothing in a passing run waits this long.
-DEADLINE_S = 10.0
-# Base of the timeout policy in the timeout tests: every sleep here is far shorter.
+# Base of the timeout policy in the timeout tests, far below every budget they test: a prefetch
+# judged on the base alone (0.5.20's budget while the query is in flight) ends far too early.
 BASE_S = 0.1
-
-CACHE_CONTROLLER_LOGGER = "sglang.srt.managers.cache_controller"
-
-
-# ---------------------------------------------------------------------------------------------
-# Stand-ins at the hardware and I/O boundary
-# ---------------------------------------------------------------------------------------------
-
-
-class CpuEvent:
-    """torch.cuda.Event stand-in. No device work exists on CPU, so every event is complete."""
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.enable_timing = enable_timing
-
-    def record(self, stream: object | None = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class CpuStream:
-    """torch.cuda.Stream stand-in: the controller only creates its streams on this path."""
-
-
-CPU_DEVICE_MODULE = types.SimpleNamespace(Event=CpuEvent, Stream=CpuStream)
-
-
-class FakeHostPool:
-    """Host KV pool stand-in: slot bookkeeping and the page payloads the storage reads wrote.
-
-    It takes the constructor arguments of the real MHA host pool classes, so it is handed to the
-    real builders (``get_mha_host_pool_cls``) in place of them.
-    """
-
-    layout = "page_first"
-    device = "cpu"
-    can_use_write_back_jit = False
-    size_per_token = 1
-    dtype = torch.float16
-
-    def __init__(
-        self,
-        device_pool: object,
-        host_to_device_ratio: float,
-        host_size: float,
-        page_size: int,
-        layout: str,
-        **kwargs: object,
-    ) -> None:
-        self.page_size = page_size
-        self.size = HOST_SLOTS
-        self.logical_size = HOST_SLOTS
-        self.pages: dict[int, object] = {}
-        self._free = list(range(HOST_SLOTS))
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        if need_size > len(self._free):
-            return None
-        taken, self._free = self._free[:need_size], self._free[need_size:]
-        return torch.tensor(taken, dtype=torch.int64)
-
-    def free(self, indices: torch.Tensor) -> int:
-        slots = indices.tolist()
-        # A double free would hide a leak elsewhere: fail loudly instead.
-        assert not set(slots) & set(self._free), f"host slots freed twice: {slots}"
-        self._free.extend(slots)
-        return len(slots)
-
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def used_slots(self) -> int:
-        return HOST_SLOTS - len(self._free)
-
-    def clear(self) -> None:
-        self._free = list(range(HOST_SLOTS))
-        self.pages.clear()
-
-    def get_dummy_flat_data_page(self) -> None:
-        return None
-
-    def set_from_flat_data_page(self, index: int, data_page: object) -> None:
-        self.pages[int(index)] = data_page
-
-
-class GatedStorage(HiCacheStorage):
-    """Storage backend stand-in: every page exists; queries and reads can be held or fail.
-
-    ``query_gate`` holds ``batch_exists`` (the existence query the prefetch thread runs before
-    it publishes ``operation.hash_value``); ``io_gate`` holds ``batch_get`` (the page reads of the
-    prefetch IO thread). Both gates start open.
-    """
-
-    def __init__(self) -> None:
-        self.query_gate = threading.Event()
-        self.query_gate.set()
-        self.io_gate = threading.Event()
-        self.io_gate.set()
-        self.query_entered = threading.Event()
-        self.queries_to_fail = 0
-
-    def batch_exists(self, keys: list[str], extra_info: object = None) -> int:
-        self.query_entered.set()
-        self.query_gate.wait()
-        if self.queries_to_fail > 0:
-            self.queries_to_fail -= 1
-            raise ConnectionError("storage backend unreachable (injected by the test)")
-        return len(keys)
-
-    def batch_get(
-        self, keys: list[str], target_locations: object = None, target_sizes: object = None
-    ) -> list[str]:
-        self.io_gate.wait()
-        # The payload of a page is its key: enough to tell pages apart in the host pool.
-        return list(keys)
-
-    def exists(self, key: str) -> bool:
-        return True
-
-    def get(self, key: str, target_location: object = None, target_sizes: object = None) -> str:
-        return key
-
-    def set(
-        self, key: str, value: object = None, target_location: object = None, target_sizes: object = None
-    ) -> bool:
-        return True
-
-    def batch_set(
-        self,
-        keys: list[str],
-        values: object = None,
-        target_locations: object = None,
-        target_sizes: object = None,
-    ) -> bool:
-        return True
-
-
-# ---------------------------------------------------------------------------------------------
-# Harness: one real cache with its real controller threads, driven like the scheduler drives it
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Prefetch:
-    handle: CacheRequestHandle
-    operation: Any
-
-    def elapsed(self) -> float:
-        return time.monotonic() - float(self.operation.start_time)
-
-
-@dataclass
-class Harness:
-    kind: str
-    cache: Any
-    store: GatedStorage
-    host_pool: FakeHostPool
-    anchor: Any = None
-    anchor_host_refs: int = 0
-    loaded: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def controller(self) -> Any:
-        return self.cache.cache_controller
-
-    def _host_refs(self, anchor: Any) -> int:
-        if self.kind == "hiradix":
-            return int(anchor.host_ref_counter)
-        node = self.cache.tree_core.node_by_id(anchor)
-        return int(node.component_data[ComponentType.FULL].host_lock_ref)
-
-    def prefetch(self, rid: str, tokens: list[int]) -> Prefetch:
-        """What Scheduler._prefetch_kvcache does for a request with no L1/L2 hit."""
-        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
-        anchor = match.last_host_node
-        if self.anchor is None:
-            self.anchor, self.anchor_host_refs = anchor, self._host_refs(anchor)
-        handle = CacheRequestHandle(rid, 0)
-        self.cache.prefetch_from_storage(handle, anchor, tokens)
-        entry = self.cache.ongoing_prefetch[rid if self.kind == "hiradix" else handle]
-        operation = entry[2] if self.kind == "hiradix" else entry.operation
-        return Prefetch(handle, operation)
-
-    def round(self, req: Prefetch) -> bool:
-        """One scheduler iteration: drain the HiCache control queues, then ask whether the
-        request may be staged (Scheduler._get_new_batch_prefill_raw). On True the scheduler
-        takes the L3-loaded span; so do we."""
-        self.cache.check_hicache_events()
-        done = bool(self.cache.check_prefetch_progress(req.handle))
-        if done and req.handle.rid not in self.loaded:
-            self.loaded[req.handle.rid] = int(self.cache.pop_prefetch_loaded_tokens(req.handle))
-        return done
-
-    def wait_for(self, condition: Callable[[], bool], what: str, drain: bool = True) -> None:
-        """Poll ``condition``; between polls, drain the control queues unless told not to."""
-        deadline = time.monotonic() + DEADLINE_S
-        while not condition():
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.kind}: timed out waiting for {what}")
-            if drain:
-                self.cache.check_hicache_events()
-            time.sleep(POLL_S)
-
-    def run_until_done(self, req: Prefetch) -> float:
-        """Run scheduler rounds until the prefetch ends; returns its age at that moment."""
-        deadline = time.monotonic() + DEADLINE_S
-        while not self.round(req):
-            if not self.controller.prefetch_thread.is_alive():
-                # Nothing will ever answer this prefetch: one last round picks up anything
-                # the thread published before it died.
-                if self.round(req):
-                    break
-                pytest.fail(
-                    f"{self.kind}: prefetch {req.handle.rid} never completes: the prefetch "
-                    f"thread is dead (policy {self.cache.prefetch_stop_policy})"
-                )
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.kind}: prefetch {req.handle.rid} did not finish")
-            time.sleep(POLL_S)
-        return req.elapsed()
-
-    def settle_late_query(self) -> None:
-        """Let a query the scheduler already gave up on return, and drain its result.
-
-        The prefetch thread publishes every query it finishes, revoked or not, to the hit
-        queue; once that entry is drained, nothing of the prefetch is left in flight. Only
-        this harness drains that queue, so wait for the entry without draining, then drain."""
-        self.store.query_gate.set()
-        queue = self.controller.prefetch_hit_queue
-        self.wait_for(lambda: queue.qsize() > 0, "the late query result", drain=False)
-        self.cache.check_hicache_events()
-        assert queue.qsize() == 0
-
-    def host_tokens_in_tree(self) -> int:
-        return sum(
-            int(self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).host_hit_length)
-            for tokens in (TOKENS, OTHER_TOKENS)
-        )
-
-    def assert_clean(self, expected_host_tokens: int) -> None:
-        """Nothing leaked: every host slot in use belongs to the tree, no occupancy or host
-        reference is left behind, and no prefetch is still tracked."""
-        assert not self.cache.ongoing_prefetch, f"{self.kind}: prefetch still tracked"
-        assert self.controller.prefetch_tokens_occupied == 0, (
-            f"{self.kind}: leaked prefetch occupancy {self.controller.prefetch_tokens_occupied}"
-        )
-        assert self.anchor is not None
-        assert self._host_refs(self.anchor) == self.anchor_host_refs, f"{self.kind}: leaked host ref"
-        in_tree = self.host_tokens_in_tree()
-        assert in_tree == expected_host_tokens, f"{self.kind}: {in_tree} host tokens in the tree"
-        assert self.host_pool.used_slots() == in_tree, (
-            f"{self.kind}: {self.host_pool.used_slots()} host slots taken, {in_tree} held by the tree"
-        )
-        if self.kind == "unified":
-            self.cache.sanity_check()
-
-
-@pytest.fixture(scope="module")
-def gloo_world() -> Iterator[None]:
-    """HiRadixCache asks torch.distributed for its TP width: a one-rank gloo world answers."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    # The page hashes come from a JIT-built C++ extension: build/load it here, not inside a
-    # prefetch thread whose timing a test depends on.
-    get_storage_hash_str(TOKENS[:PAGE_SIZE], None, page_size=PAGE_SIZE)
-    yield
-    if created:
-        dist.destroy_process_group()
-
+# How late after its budget a timed-out prefetch may end: a few scheduler polls, with room for
+# a loaded machine. Far below any budget here, so a budget twice too long cannot pass.
+MARGIN_S = 0.25
+# A timeout budget no test reaches: the prefetch must end by its own ACKs.
+NO_TIMEOUT = {"prefetch_timeout_base": 60.0}
 
 HarnessFactory = Callable[..., Harness]
 
 
 @pytest.fixture
-def make_harness(gloo_world: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[HarnessFactory]:
-    monkeypatch.setattr(cache_controller_module, "device_module", CPU_DEVICE_MODULE)
-    monkeypatch.setattr(l2_transfer_module, "device_module", CPU_DEVICE_MODULE)
-    monkeypatch.setattr(hiradix_cache_module, "get_mha_host_pool_cls", lambda kv_pool: FakeHostPool)
-    monkeypatch.setattr(hybrid_pool_assembler, "get_mha_host_pool_cls", lambda kv_pool: FakeHostPool)
-    stores: list[GatedStorage] = []
-    monkeypatch.setattr(
-        StorageBackendFactory,
-        "create_backend",
-        classmethod(lambda cls, *args, **kwargs: stores[-1]),
-    )
-    scope = contextlib.ExitStack()
-    harnesses: list[Harness] = []
+def make_harness() -> Iterator[HarnessFactory]:
+    with contextlib.ExitStack() as scope:
+        ph.load_hash_extension()
+        scope.enter_context(ph.one_rank_world())
+        stores = scope.enter_context(ph.device_boundary())
 
-    def build(kind: str, policy: str, **timeout: float) -> Harness:
-        extra = {"prefetch_threshold": PREFETCH_THRESHOLD, **timeout}
-        server_args = scope.enter_context(
-            get_context().override_server_args(
-                enable_hierarchical_cache=True,
-                # Any built-in name with the generic page get/set path: the factory that
-                # would open it is replaced by the GatedStorage above.
-                hicache_storage_backend="file",
-                hicache_storage_prefetch_policy=policy,
-                hicache_storage_backend_extra_config=json.dumps(extra),
-            )
-        )
-        scope.enter_context(
-            get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dcp_enabled=False)
-        )
-        kv_pool = MHATokenToKVPool(
-            size=256,
-            page_size=PAGE_SIZE,
-            dtype=torch.float16,
-            head_num=1,
-            head_dim=8,
-            layer_num=2,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
-            token_to_kv_pool_allocator=PagedTokenToKVPoolAllocator(
-                256, PAGE_SIZE, torch.float16, "cpu", kv_pool, need_sort=False
-            ),
-            page_size=PAGE_SIZE,
-        )
-        stores.append(GatedStorage())
-        cache: Any
-        if kind == "hiradix":
-            cache = hiradix_cache_module.HiRadixCache(params, server_args)
-        else:
-            params.tree_components = (ComponentType.FULL,)
-            cache = UnifiedRadixCache(params)
-            cache.init_hicache(server_args, params)
-        assert cache.enable_storage and cache.prefetch_stop_policy == policy
-        host_pool = cache.cache_controller.storage_host_pool
-        assert isinstance(host_pool, FakeHostPool)
-        harness = Harness(kind, cache, stores[-1], host_pool)
-        harnesses.append(harness)
-        return harness
+        def build(kind: str, policy: str, **timeout: float) -> Harness:
+            return scope.enter_context(ph.build_harness(stores, kind, policy, **timeout))
 
-    yield build
+        yield build
 
-    for harness in harnesses:
-        # Release anything a test left held, so the storage threads can stop.
-        harness.store.query_gate.set()
-        harness.store.io_gate.set()
-        detached, message = harness.cache.detach_storage_backend()
-        assert detached, f"{harness.kind}: storage threads did not stop: {message}"
-    scope.close()
+
+def _logged(caplog: pytest.LogCaptureFixture, logger: str, rid: str) -> bool:
+    return any(r.name == logger and rid in r.getMessage() for r in caplog.records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +71,7 @@ def test_wait_complete_waits_for_page_list(make_harness: HarnessFactory, kind: s
     h = make_harness(kind, "wait_complete")
     h.store.query_gate.clear()
     req = h.prefetch("r-9397", TOKENS)
-    assert h.store.query_entered.wait(DEADLINE_S), "the prefetch thread never ran the query"
+    assert h.store.query_entered.wait(ph.DEADLINE_S), "the prefetch thread never ran the query"
 
     for i in range(POLL_ROUNDS):
         assert not h.round(req), f"{kind}: wait_complete prefetch finished at round {i} with no page list"
@@ -456,7 +106,7 @@ def test_pre_9397_check_finishes_early(make_harness: HarnessFactory, kind: str) 
     setattr(h.cache, name, types.MethodType(_pre_9397_can_terminate_prefetch, h.cache))
     h.store.query_gate.clear()
     req = h.prefetch("r-pre-9397", TOKENS)
-    assert h.store.query_entered.wait(DEADLINE_S), "the prefetch thread never ran the query"
+    assert h.store.query_entered.wait(ph.DEADLINE_S), "the prefetch thread never ran the query"
 
     assert h.round(req), f"{kind}: the pre-#9397 check should end the prefetch before the page list is known"
     assert h.loaded["r-pre-9397"] == 0, "the request was staged without its L3 hit"
@@ -466,65 +116,84 @@ def test_pre_9397_check_finishes_early(make_harness: HarnessFactory, kind: str) 
 
 
 # ---------------------------------------------------------------------------------------------
-# timeout policy: budget of the requested span while the storage query is in flight
+# timeout policy: the budget of the requested span, from the first scheduler poll that waits
 # ---------------------------------------------------------------------------------------------
 
 
-def _timeout_config(kind: str, budget_s: float, cap_s: float = 60.0) -> dict[str, float]:
-    """Timeout knobs whose linear budget for the whole of TOKENS is ``budget_s``."""
+def _timeout_config(kind: str, budget_s: float) -> dict[str, float]:
+    """Timeout knobs whose linear budget for the whole of TOKENS (16 pages) is ``budget_s``."""
     per_ki_token = (budget_s - BASE_S) * 1024 / len(TOKENS)
     config = {"prefetch_timeout_base": BASE_S, "prefetch_timeout_per_ki_token": per_ki_token}
     if kind == "hiradix":
-        config["prefetch_timeout_max"] = cap_s
+        config["prefetch_timeout_max"] = 60.0  # HiRadixCache's cap, out of the way
     return config
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_timeout_budget_covers_requested_span_while_query_in_flight(
-    make_harness: HarnessFactory, kind: str
-) -> None:
-    # The requested span earns 60 s; an empty page list earns only the 0.1 s base.
-    h = make_harness(kind, "timeout", **_timeout_config(kind, budget_s=60.0))
-    h.store.query_gate.clear()
-    req = h.prefetch("r-timeout", TOKENS)
-    assert h.store.query_entered.wait(DEADLINE_S), "the prefetch thread never ran the query"
-
-    while req.elapsed() <= 3 * BASE_S:
-        assert not h.round(req), (
-            f"{kind}: prefetch revoked after {req.elapsed():.3f}s while its storage query was in "
-            "flight: it was judged against an empty page list (base timeout only)"
-        )
-        time.sleep(POLL_S)
-
-    h.store.query_gate.set()
-    h.run_until_done(req)
-    assert h.loaded["r-timeout"] == len(TOKENS)
-    h.assert_clean(expected_host_tokens=len(TOKENS))
+def _assert_ended_on_budget(kind: str, waited: float, budget_s: float) -> None:
+    assert waited >= budget_s, f"{kind}: gave up after {waited:.3f}s, before the {budget_s}s budget"
+    assert waited <= budget_s + MARGIN_S, (
+        f"{kind}: gave up after {waited:.3f}s, later than the {budget_s}s budget plus {MARGIN_S}s"
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_timeout_bounds_a_query_that_never_returns(make_harness: HarnessFactory, kind: str) -> None:
-    # A stuck query is still given up on, at the requested span's budget: 1.0 s here (for
-    # HiRadixCache through prefetch_timeout_max, which still caps it), not at the 0.1 s base.
+    # While the query is in flight nothing is known but the requested span, and its budget
+    # (1.0 s, not the 0.1 s base) bounds the wait on both sides.
     budget_s = 1.0
-    config = _timeout_config(kind, budget_s) if kind == "unified" else _timeout_config(kind, 60.0, budget_s)
-    h = make_harness(kind, "timeout", **config)
+    h = make_harness(kind, "timeout", **_timeout_config(kind, budget_s))
     h.store.query_gate.clear()
     req = h.prefetch("r-stuck", TOKENS)
-    assert h.store.query_entered.wait(DEADLINE_S), "the prefetch thread never ran the query"
+    assert h.store.query_entered.wait(ph.DEADLINE_S), "the prefetch thread never ran the query"
 
-    age = h.run_until_done(req)
+    waited = h.run_until_done(req)
     assert req.operation.hash_value == [], "the query was meant to be still in flight"
-    assert age > budget_s, f"{kind}: gave up after {age:.3f}s, before the requested span's budget"
+    _assert_ended_on_budget(kind, waited, budget_s)
     assert h.loaded["r-stuck"] == 0
     h.settle_late_query()
     h.assert_clean(expected_host_tokens=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_timeout_budget_covers_a_slow_partial_hit(make_harness: HarnessFactory, kind: str) -> None:
+    # 16 pages requested, a 1.0 s budget; the query takes 0.5 s and finds 4 pages. The budget
+    # is that of the requested span, not of the 4 pages found (0.325 s, already spent).
+    budget_s, query_s, hit_pages = 1.0, 0.5, 4
+    h = make_harness(kind, "timeout", **_timeout_config(kind, budget_s))
+    h.store.query_delay_s, h.store.hit_pages = query_s, hit_pages
+    req = h.prefetch("r-slow-partial", TOKENS)
+
+    waited = h.run_until_done(req)
+    assert h.loaded["r-slow-partial"] == hit_pages * PAGE_SIZE, (
+        f"{kind}: a {query_s}s query with {hit_pages} hits inside a {budget_s}s budget lost its pages"
+    )
+    assert query_s <= waited < budget_s
+    h.assert_clean(expected_host_tokens=hit_pages * PAGE_SIZE)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_timeout_clock_starts_at_the_first_blocked_poll(make_harness: HarnessFactory, kind: str) -> None:
+    # The scheduler is busy for longer than the budget before it first looks at the request:
+    # the budget is for waiting on the prefetch, so it starts then, not at the enqueue.
+    budget_s, busy_s = 0.5, 0.7
+    h = make_harness(kind, "timeout", **_timeout_config(kind, budget_s))
+    h.store.query_gate.clear()
+    req = h.prefetch("r-busy", TOKENS)
+    assert h.store.query_entered.wait(ph.DEADLINE_S), "the prefetch thread never ran the query"
+    time.sleep(busy_s)
+
+    assert not h.round(req), f"{kind}: the first poll, {busy_s}s after the enqueue, ended the prefetch"
+    waited = h.run_until_done(req)
+    _assert_ended_on_budget(kind, waited, budget_s)
+    assert h.loaded["r-busy"] == 0
+    h.settle_late_query()
+    h.assert_clean(expected_host_tokens=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_timeout_still_fires_when_the_transfer_overruns(make_harness: HarnessFactory, kind: str) -> None:
-    # Once the query has returned, the budget is that of the page list, as before: a transfer
-    # that overruns it is cut off and the request goes ahead without the unfinished pages.
+    # Once the query has returned, a transfer that overruns the budget is still cut off and
+    # the request goes ahead without the unfinished pages.
     budget_s = 0.3
     h = make_harness(kind, "timeout", **_timeout_config(kind, budget_s))
     h.store.io_gate.clear()
@@ -532,8 +201,8 @@ def test_timeout_still_fires_when_the_transfer_overruns(make_harness: HarnessFac
     h.wait_for(lambda: req.operation.host_indices is not None, "host memory for the hit")
     assert len(req.operation.hash_value) == len(TOKENS) // PAGE_SIZE
 
-    age = h.run_until_done(req)
-    assert age > budget_s
+    waited = h.run_until_done(req)
+    _assert_ended_on_budget(kind, waited, budget_s)
     assert h.loaded["r-slow-io"] == 0
 
     # The cut-off transfer still owns its host slots until its final ACK is drained.
@@ -543,29 +212,282 @@ def test_timeout_still_fires_when_the_transfer_overruns(make_harness: HarnessFac
 
 
 # ---------------------------------------------------------------------------------------------
-# The prefetch thread survives a failing existence query
+# A storage call that raises ends that operation, never a storage thread
 # ---------------------------------------------------------------------------------------------
 
 
+def _fail_then_recover(h: Harness, call: str, rid: str) -> None:
+    """One prefetch whose storage ``call`` raises, then one that must load everything."""
+    h.store.fail[call] = 1
+    failed = h.prefetch(rid, TOKENS)
+    h.finish(failed)
+    assert h.store.failed.get(call) == 1, f"{call} was never reached"
+    # A failed storage call is a miss for that request: it goes ahead without an L3 hit...
+    assert h.loaded[rid] == 0
+    # ...and every storage thread lives on, for the next request.
+    assert h.dead_threads() == [], f"{h.kind}: storage threads died: {h.dead_threads()}"
+    following = h.prefetch(f"{rid}-next", OTHER_TOKENS)
+    h.finish(following)
+    assert h.loaded[f"{rid}-next"] == len(OTHER_TOKENS)
+    h.assert_clean(expected_host_tokens=len(OTHER_TOKENS))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefetch_thread_survives_failing_exists_query(
+    make_harness: HarnessFactory, kind: str, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = make_harness(kind, policy, **NO_TIMEOUT)
+    caplog.set_level(logging.ERROR, logger=ph.CACHE_CONTROLLER_LOGGER)
+    _fail_then_recover(h, "batch_exists", "r-query-fails")
+    assert _logged(caplog, ph.CACHE_CONTROLLER_LOGGER, "r-query-fails"), "the failed query was not logged"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_io_thread_survives_failing_page_read(
+    make_harness: HarnessFactory, kind: str, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The query finds every page and host memory is taken for them; then the read raises. The
+    # request still completes (its final ACK is sent), with 0 tokens, and gives every host slot
+    # back.
+    h = make_harness(kind, policy, **NO_TIMEOUT)
+    caplog.set_level(logging.ERROR, logger=ph.CACHE_CONTROLLER_LOGGER)
+    _fail_then_recover(h, "batch_get", "r-read-fails")
+    assert _logged(caplog, ph.CACHE_CONTROLLER_LOGGER, "r-read-fails"), "the failed read was not logged"
+
+
+# The sidecar read (batch_get_v2 of a non-KV pool such as Mamba or SWA) happens on the live
+# HybridCacheController's IO thread after the KV pages. A FULL-only tree has no such pool, so the
+# operation is made here the way the hit drain makes it (host memory taken, page list known)
+# and handed to the real IO thread; its ACKs are read where the scheduler's drain reads them.
+
+
+def _sidecar_operation(h: Harness, rid: str) -> Any:
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
+
+    hashes = get_storage_hash_str(TOKENS, None, page_size=PAGE_SIZE)
+    sidecar = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(1), keys=hashes[-1:])
+    operation = PrefetchOperation(CacheRequestHandle(rid, 0), TOKENS, pool_transfers=[sidecar])
+    operation.hash_value = hashes
+    operation.storage_hit_count = len(TOKENS)
+    operation.host_indices = h.host_pool.alloc(len(TOKENS))
+    return operation
+
+
+def _run_sidecar_operation(h: Harness, rid: str) -> dict[str, Any]:
+    """Hand one sidecar prefetch to the IO thread; collect its ACKs (bounded wait)."""
+    operation = _sidecar_operation(h, rid)
+    h.controller.prefetch_buffer.put(operation)
+    acks = h.controller.ack_prefetch_queue
+    pool_hits: list[dict[str, int]] = []
+    completed_tokens, completed = 0, False
+    deadline = time.monotonic() + ph.DEADLINE_S
+    while not completed and time.monotonic() < deadline:
+        try:
+            ack = acks.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        assert ack.operation is operation
+        if ack.completed_tokens is not None:
+            completed_tokens = ack.completed_tokens
+        if ack.pool_hits is not None:
+            pool_hits.append(dict(ack.pool_hits))
+        completed = bool(ack.completed_req)
+    h.host_pool.free(operation.host_indices)
+    return {
+        "completed_req": completed,
+        "completed_tokens": completed_tokens,
+        "mamba_hits": [hits.get(PoolName.MAMBA.value) for hits in pool_hits],
+        "dead_threads": h.dead_threads(),
+    }
+
+
+def test_io_thread_survives_failing_sidecar_read(
+    make_harness: HarnessFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = make_harness("unified", "wait_complete")
+    caplog.set_level(logging.ERROR, logger=ph.HYBRID_CONTROLLER_LOGGER)
+    h.store.fail["batch_get_v2"] = 1
+    failed = _run_sidecar_operation(h, "r-sidecar-fails")
+    assert h.store.failed.get("batch_get_v2") == 1
+    # The KV pages arrived, the sidecar did not: its ACK reports 0 sidecar pages (the hybrid
+    # all-or-nothing check then discards the prefetch), and the final ACK still goes out.
+    assert failed == {
+        "completed_req": True,
+        "completed_tokens": len(TOKENS),
+        "mamba_hits": [0],
+        "dead_threads": [],
+    }
+    assert _logged(caplog, ph.HYBRID_CONTROLLER_LOGGER, "r-sidecar-fails"), "the failed read was not logged"
+    following = _run_sidecar_operation(h, "r-sidecar-next")
+    assert following["mamba_hits"] == [1] and following["completed_req"]
+
+
+def _backup(h: Harness, node: Any, what: str) -> None:
+    """Back ``node`` up to storage, the way a finished write-through does, and drain its ACK."""
+    h.cache.write_backup_storage(node)
+    assert h.cache.ongoing_backup
+    h.wait_for(lambda: not h.cache.ongoing_backup, what)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backup_thread_survives_failing_write(
     make_harness: HarnessFactory, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     h = make_harness(kind, "wait_complete")
-    h.store.queries_to_fail = 1
-    caplog.set_level(logging.ERROR, logger=CACHE_CONTROLLER_LOGGER)
+    caplog.set_level(logging.ERROR, logger=ph.CACHE_CONTROLLER_LOGGER)
+    seed = h.prefetch("r-seed", TOKENS)
+    h.finish(seed)
+    node = h.host_node(TOKENS)
+    refs = h.host_refs(node)
 
-    failed = h.prefetch("r-query-fails", TOKENS)
-    h.run_until_done(failed)
-    # A failed query is a miss for that request: it goes ahead without an L3 hit.
-    assert h.loaded["r-query-fails"] == 0
-    assert h.controller.prefetch_thread.is_alive()
-    assert any(
-        record.name == CACHE_CONTROLLER_LOGGER and "r-query-fails" in record.getMessage()
-        for record in caplog.records
-    ), "the failed storage query was not logged"
+    h.store.fail["batch_set"] = 1
+    _backup(h, node, "the ACK of the failed backup")
+    assert h.store.failed.get("batch_set") == 1 and h.store.written == []
+    # The failed backup is ACKed like any other: its node's host reference is given back...
+    assert h.host_refs(node) == refs, f"{kind}: the failed backup kept its host reference"
+    # ...and the backup thread (and every other storage thread) lives on.
+    assert h.dead_threads() == [], f"{kind}: storage threads died: {h.dead_threads()}"
+    assert any(r.name == ph.CACHE_CONTROLLER_LOGGER for r in caplog.records), (
+        "the failed write was not logged"
+    )
 
-    following = h.prefetch("r-next", OTHER_TOKENS)
-    h.run_until_done(following)
-    assert h.loaded["r-next"] == len(OTHER_TOKENS)
-    h.assert_clean(expected_host_tokens=len(OTHER_TOKENS))
+    _backup(h, node, "the ACK of the next backup")
+    assert h.store.written == get_storage_hash_str(TOKENS, None, page_size=PAGE_SIZE)
+    assert h.host_refs(node) == refs
+    h.assert_clean(expected_host_tokens=len(TOKENS))
+
+
+# ---------------------------------------------------------------------------------------------
+# Two gloo ranks, a storage failure on one of them: same outcome on both, no hang
+# ---------------------------------------------------------------------------------------------
+
+FAILING_RANK = 0
+
+
+@contextlib.contextmanager
+def _rank_harness(rank: int, group: Any, policy: str = "wait_complete") -> Iterator[Harness]:
+    with (
+        ph.device_boundary() as stores,
+        ph.build_harness(
+            stores, "unified", policy, tp_group=group, tp_rank=rank, tp_size=ph.RANKS, **NO_TIMEOUT
+        ) as h,
+    ):
+        yield h
+
+
+def _rank_fail_then_recover(call: str, batch_pages: int | None = None) -> ph.RankScenario:
+    """A prefetch whose storage ``call`` raises on one rank only, then one that must load.
+
+    With ``batch_pages`` the storage is read in batches of that many pages and the second batch
+    of the failing rank raises: every rank must still reduce the same ACKs, one per batch."""
+
+    def scenario(rank: int, group: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        with pytest.MonkeyPatch.context() as mp:
+            if batch_pages is not None:
+                mp.setattr(cache_controller_module, "STORAGE_BATCH_SIZE", batch_pages)
+            for policy in POLICIES:
+                with _rank_harness(rank, group, policy) as h:
+                    if rank == FAILING_RANK:
+                        h.store.fail[call] = 1
+                        h.store.fail_after[call] = 0 if batch_pages is None else 1
+                    failed = h.prefetch("r-fails", TOKENS)
+                    h.finish(failed)
+                    following = h.prefetch("r-next", OTHER_TOKENS)
+                    h.finish(following)
+                    out[policy] = {
+                        "failed": h.store.failed.get(call, 0),
+                        "loaded": dict(h.loaded),
+                        "dead_threads": h.dead_threads(),
+                        "host_slots": h.host_pool.used_slots(),
+                        "host_tokens_in_tree": h.host_tokens_in_tree(),
+                    }
+        return out
+
+    return scenario
+
+
+def _assert_same_outcome_after_one_rank_failed(
+    ranks: dict[int, dict[str, Any]], kept_tokens: int = 0
+) -> None:
+    for policy in POLICIES:
+        outcome = {rank: dict(r[policy]) for rank, r in ranks.items()}
+        assert [outcome[rank].pop("failed") for rank in (0, 1)] == [1, 0], policy
+        # The rank whose storage worked takes the failed rank's miss: a prefix only one rank
+        # holds is no prefix.
+        assert outcome[0] == outcome[1], f"{policy}: the ranks disagree: {outcome}"
+        in_tree = kept_tokens + len(OTHER_TOKENS)
+        assert outcome[0] == {
+            "loaded": {"r-fails": kept_tokens, "r-next": len(OTHER_TOKENS)},
+            "dead_threads": [],
+            "host_slots": in_tree,
+            "host_tokens_in_tree": in_tree,
+        }, policy
+
+
+def test_two_ranks_failing_exists_query_on_one_rank() -> None:
+    _assert_same_outcome_after_one_rank_failed(ph.two_ranks(_rank_fail_then_recover("batch_exists")))
+
+
+def test_two_ranks_failing_page_read_on_one_rank() -> None:
+    # 16 pages read in batches of 4; the failing rank's second batch raises. Both ranks keep the
+    # first batch (4 pages) and nothing else.
+    ranks = ph.two_ranks(_rank_fail_then_recover("batch_get", batch_pages=4))
+    _assert_same_outcome_after_one_rank_failed(ranks, kept_tokens=4 * PAGE_SIZE)
+
+
+def _rank_sidecar(rank: int, group: Any) -> dict[str, Any]:
+    with _rank_harness(rank, group) as h:
+        if rank == FAILING_RANK:
+            h.store.fail["batch_get_v2"] = 1
+        return {
+            "failed": _run_sidecar_operation(h, "r-sidecar-fails"),
+            "next": _run_sidecar_operation(h, "r-sidecar-next"),
+        }
+
+
+def test_two_ranks_failing_sidecar_read_on_one_rank() -> None:
+    ranks = ph.two_ranks(_rank_sidecar)
+    assert ranks[0] == ranks[1], f"the ranks disagree: {ranks}"
+    assert ranks[0]["failed"] == {
+        "completed_req": True,
+        "completed_tokens": len(TOKENS),
+        "mamba_hits": [0],
+        "dead_threads": [],
+    }
+    assert ranks[0]["next"]["mamba_hits"] == [1]
+
+
+def _rank_backup(rank: int, group: Any) -> dict[str, Any]:
+    with _rank_harness(rank, group) as h:
+        seed = h.prefetch("r-seed", TOKENS)
+        h.finish(seed)
+        node = h.host_node(TOKENS)
+        refs = h.host_refs(node)
+        if rank == FAILING_RANK:
+            h.store.fail["batch_set"] = 1
+        _backup(h, node, "the ACK of the failed backup")
+        after_failed = h.host_refs(node) - refs
+        _backup(h, node, "the ACK of the next backup")
+        return {
+            "failed": h.store.failed.get("batch_set", 0),
+            "host_refs_after_failed": after_failed,
+            "host_refs_after_next": h.host_refs(node) - refs,
+            "written": len(h.store.written),
+            "dead_threads": h.dead_threads(),
+        }
+
+
+def test_two_ranks_failing_backup_write_on_one_rank() -> None:
+    ranks = ph.two_ranks(_rank_backup)
+    pages = len(TOKENS) // PAGE_SIZE
+    assert ranks[FAILING_RANK] == {
+        "failed": 1,
+        "host_refs_after_failed": 0,
+        "host_refs_after_next": 0,
+        "written": pages,
+        "dead_threads": [],
+    }
+    assert ranks[1 - FAILING_RANK] == {**ranks[FAILING_RANK], "failed": 0, "written": 2 * pages}
