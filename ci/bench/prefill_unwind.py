@@ -6,6 +6,12 @@ CPU harness (tests/upstream/sglang/scheduler_harness.py) in two worker processes
 alternating blocks in the same run so machine load drifts hit both alike.
 
     .venv-test/bin/python ci/bench/prefill_unwind.py [--rounds 3000] [--block 100] [--config mamba]
+    .venv-test/bin/python ci/bench/prefill_unwind.py --ranks 2
+
+With --ranks 2 each tree runs as two gloo ranks of one attention-TP group (one core each), once
+with plain pools and once with an elastic pool (one whose free space is per rank, so the patched
+scheduler agrees on every round): the plain ratio must stay at or under 1.02; the elastic
+pool's cost (one all-reduce per round) is printed.
 
 Trees: worktrees of upstream/sglang at upstream/<version> and carry/<version>, made under build/.
 """
@@ -34,14 +40,24 @@ CONFIGS = {
 HOST_PREFIX = list(range(100, 132))
 
 WORKER = r"""
-import json, logging, os, sys, time
-# Both workers on the same core, one running at a time: no migration, same caches.
-os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+import datetime, json, logging, os, sys, time
+rank, ranks, store = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+# One core per rank; every tree's rank r on the same core, one tree running at a time.
+cores = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cores[-1 - rank % len(cores)]})
 sys.path.insert(0, sys.argv[1])
 import scheduler_harness as sh
 logging.disable(logging.WARNING)
 config = json.loads(sys.argv[2])
 prefix = json.loads(sys.argv[3])
+if ranks > 1:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks,
+                            timeout=datetime.timedelta(seconds=120))
+    world = dist.new_group(list(range(ranks)))
+    pair = dist.new_group(list(range(ranks)))
+    singles = [dist.new_group([r]) for r in range(ranks)]
+    config.update(tp_size=ranks, tp_cpu_group=world, attn_tp_cpu_group=pair, attn_cp_cpu_group=singles[rank])
 harness = sh.build_harness(**config)
 print("ready", flush=True)
 for line in sys.stdin:
@@ -67,25 +83,38 @@ def worktree(tree: str, ref: str) -> Path:
     return checkout.fresh_worktree(ROOT / "build" / "bench" / tree, ref) / "python"
 
 
-def start_worker(tree: Path, config: dict[str, object]) -> subprocess.Popen[str]:
+Ranks = list[subprocess.Popen[str]]
+
+
+def start_worker(tree: Path, config: dict[str, object], ranks: int, store: Path) -> Ranks:
+    """One process per rank of one tree; all ranks are started before any is waited for."""
     env = {**os.environ, "CARRY_TREE_SGLANG": str(tree), "PYTHONPATH": str(tree)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(HARNESS_DIR), json.dumps(config), json.dumps(HOST_PREFIX)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
+    procs = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-c", WORKER, str(HARNESS_DIR)),
+                *(json.dumps(config), json.dumps(HOST_PREFIX), str(rank), str(ranks), str(store)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(ranks)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return procs
 
 
-def run_block(proc: subprocess.Popen[str], rounds: int) -> list[float]:
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(f"{rounds}\n")
-    proc.stdin.flush()
-    times: list[float] = json.loads(proc.stdout.readline())
-    return times
+def run_block(procs: Ranks, rounds: int) -> list[float]:
+    """Every rank runs the block; a round takes as long as its slowest rank."""
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{rounds}\n")
+        proc.stdin.flush()
+    per_rank = [json.loads(proc.stdout.readline()) for proc in procs if proc.stdout is not None]
+    return [max(times) for times in zip(*per_rank, strict=True)]
 
 
 def main() -> int:
@@ -97,38 +126,57 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=25, help="rounds per alternating block")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="mamba")
+    parser.add_argument("--ranks", type=int, choices=(1, 2), default=1)
     args = parser.parse_args()
 
     trees = {
         "pristine": worktree("pristine", f"upstream/{args.version}"),
         "patched": worktree("patched", f"carry/{args.version}"),
     }
-    print(f"bench: starting one worker per tree ({args.config}); importing sglang takes a while", flush=True)
-    workers = {name: start_worker(tree, CONFIGS[args.config]) for name, tree in trees.items()}
+    pools = {"plain": {}} if args.ranks == 1 else {"plain": {}, "elastic": {"elastic": True}}
+    cases = [(tree, pool) for pool in pools for tree in trees]
+    print(f"bench: starting {args.ranks} worker(s) per case ({args.config}); importing sglang takes a while")
+    stores = ROOT / "build" / "bench" / "stores"
+    stores.mkdir(parents=True, exist_ok=True)
+    workers: dict[tuple[str, str], Ranks] = {}
     try:
-        for proc in workers.values():
-            run_block(proc, args.warmup)
-        samples: dict[str, list[float]] = {name: [] for name in workers}
+        for tree, pool in cases:
+            store = stores / f"{tree}-{pool}-{os.getpid()}"
+            store.unlink(missing_ok=True)
+            config = {**CONFIGS[args.config], **pools[pool]}
+            workers[tree, pool] = start_worker(trees[tree], config, args.ranks, store)
+        for procs in workers.values():
+            run_block(procs, args.warmup)
+        samples: dict[tuple[str, str], list[float]] = {case: [] for case in workers}
         started = time.monotonic()
         order = list(workers)
-        while len(samples["patched"]) < args.rounds:
-            for name in order:
-                samples[name].extend(run_block(workers[name], args.block))
+        while len(samples["patched", "plain"]) < args.rounds:
+            for case in order:
+                samples[case].extend(run_block(workers[case], args.block))
             order.reverse()
-            done = len(samples["patched"])
+            done = len(samples["patched", "plain"])
             if done % 1000 == 0:
                 elapsed = time.monotonic() - started
-                print(f"bench: {done}/{args.rounds} rounds per tree ({elapsed:.0f} s)", flush=True)
+                print(f"bench: {done}/{args.rounds} rounds per case ({elapsed:.0f} s)", flush=True)
     finally:
-        for proc in workers.values():
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=60)
-    medians = {name: statistics.median(times) for name, times in samples.items()}
-    for name, median in medians.items():
-        print(f"{name:9s} median {median * 1e3:.4f} ms over {len(samples[name])} rounds")
-    ratio = medians["patched"] / medians["pristine"]
-    print(f"patched/pristine median ratio: {ratio:.4f} (target <= 1.02)")
+        for procs in workers.values():
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(timeout=60)
+    medians = {case: statistics.median(times) for case, times in samples.items()}
+    for (tree, pool), median in medians.items():
+        label = f"{args.ranks} rank(s) {pool:7s} {tree:9s}"
+        print(f"{label} median {median * 1e3:.4f} ms over {args.rounds} rounds")
+    ratio = medians["patched", "plain"] / medians["pristine", "plain"]
+    print(f"{args.ranks} rank(s), plain pools: patched/pristine median ratio {ratio:.4f} (target <= 1.02)")
+    if "elastic" in pools:
+        cost = medians["patched", "elastic"] - medians["pristine", "elastic"]
+        print(
+            f"{args.ranks} rank(s), elastic pool: patched/pristine median ratio "
+            f"{medians['patched', 'elastic'] / medians['pristine', 'elastic']:.4f}, "
+            f"the agreement costs {cost * 1e6:.0f} us per round"
+        )
     return 0 if ratio <= 1.02 else 1
 
 
