@@ -14,23 +14,17 @@ wait), each rank with its own cache and controller, the way tensor-parallel rank
 from __future__ import annotations
 
 import contextlib
-import datetime
 import importlib.util
 import json
-import multiprocessing
-import os
-import queue
-import tempfile
 import threading
 import time
-import traceback
 import types
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+import forked_ranks
 import pytest
 import torch
 import torch.distributed as dist
@@ -541,66 +535,15 @@ def one_rank_world() -> Iterator[None]:
 RankScenario = Callable[[int, Any], dict[str, Any]]
 
 
-def _rank_main(rank: int, store_path: str, scenario: RankScenario, results: Any) -> None:
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store_path}",
-            rank=rank,
-            world_size=RANKS,
-            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S / 2),
-        )
-        out = scenario(rank, dist.group.WORLD)
-        dist.destroy_process_group()
-        results.put((rank, out, None))
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        # Flush the queue's feeder thread, then leave without running the parent's pytest
-        # teardown or atexit hooks, which a forked child inherited.
-        results.close()
-        results.join_thread()
-        os._exit(0)
-
-
 def two_ranks(scenario: RankScenario) -> dict[int, dict[str, Any]]:
-    """Run ``scenario(rank, tp_group)`` on two gloo ranks; fail on an error or a hang.
-
-    Fork (not spawn) so the ranks reuse the imported sglang modules: a spawned child would
-    re-import them for 10-30 s. Nothing distributed may be initialized in this process."""
-    assert not dist.is_initialized(), "fork the ranks from a process without a process group"
+    """Run ``scenario(rank, tp_group)`` on two gloo ranks; fail on an error or a hang."""
     load_hash_extension()
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    out: dict[int, dict[str, Any]] = {}
-    errors: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="prefetch-gloo-") as tmp:
-        store_path = str(Path(tmp) / "store")
-        procs = [
-            ctx.Process(target=_rank_main, args=(rank, store_path, scenario, results))
-            for rank in range(RANKS)
-        ]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + RANK_TIMEOUT_S
-        reported: set[int] = set()
-        try:
-            for _ in range(RANKS):
-                rank, result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
-                reported.add(rank)
-                if error is not None:
-                    errors.append(f"rank {rank}:\n{error}")
-                else:
-                    out[rank] = result
-        except queue.Empty:
-            hung = sorted(set(range(RANKS)) - reported)
-            errors.append(f"rank(s) {hung} hung: no result within {RANK_TIMEOUT_S} s")
-        finally:
-            for proc in procs:
-                proc.join(timeout=10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+    results, errors = forked_ranks.run_forked_ranks(
+        lambda rank: scenario(rank, dist.group.WORLD),
+        ranks=RANKS,
+        timeout_s=RANK_TIMEOUT_S,
+        collective_timeout_s=RANK_TIMEOUT_S / 2,
+    )
     if errors:
         pytest.fail("\n".join(errors))
-    return out
+    return results

@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
-import multiprocessing
-import os
-import queue
 import random
-import tempfile
-import traceback
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal, NamedTuple
 from unittest import mock
 
+import forked_ranks
 import pytest
 import scheduler_harness as sh
 import torch.distributed as dist
@@ -561,16 +555,10 @@ def _groups(topology: Topology, rank: int, world: Any, pair: Any, singles: list[
     }
 
 
-def _rank_main(rank: int, store: str, names: list[str], results: Any) -> None:
-    """One rank: gloo on CPU, every group built by both ranks in the same order."""
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=RANKS,
-            timeout=datetime.timedelta(seconds=30),
-        )
+def _rank_body(names: list[str]) -> Any:
+    """One rank: every group built by both ranks in the same order, then the named scenarios."""
+
+    def body(rank: int) -> dict[str, Any]:
         world = dist.new_group(list(range(RANKS)), backend="gloo")
         pair = dist.new_group(list(range(RANKS)), backend="gloo")
         singles = [dist.new_group([r], backend="gloo") for r in range(RANKS)]
@@ -582,16 +570,9 @@ def _rank_main(rank: int, store: str, names: list[str], results: Any) -> None:
             with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
                 out[name] = _rank_scenario(h, rank, scenario)
             dist.barrier(group=world)  # a hung scenario shows up as a timeout here
-        dist.destroy_process_group()
-        results.put((rank, out, None))
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        # Flush the queue's feeder thread, then leave without running the parent's pytest
-        # teardown or atexit hooks, which a forked child inherited.
-        results.close()
-        results.join_thread()
-        os._exit(0)
+        return out
+
+    return body
 
 
 class TwoRanks(NamedTuple):
@@ -604,34 +585,13 @@ class TwoRanks(NamedTuple):
 
 
 def run_two_ranks(names: list[str]) -> TwoRanks:
-    """Run the named scenarios on two ranks. Fork (not spawn) so the children reuse the imported
-    sglang modules: a spawned child would re-import for 10-30 s."""
+    """Run the named scenarios on two forked gloo ranks."""
     with sh.build_harness():  # import sglang's model registry once, before forking
         pass
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    out = TwoRanks({}, [])
-    with tempfile.TemporaryDirectory(prefix="unwind-gloo-") as tmp:
-        store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_rank_main, args=(rank, store, names, results)) for rank in range(RANKS)]
-        for proc in procs:
-            proc.start()
-        try:
-            for _ in range(RANKS):
-                rank, result, error = results.get(timeout=RANK_TIMEOUT_S)
-                if error is not None:
-                    out.errors.append(f"rank {rank}:\n{error}")
-                else:
-                    out.results[rank] = result
-        except queue.Empty:
-            out.errors.append(f"a rank hung: no result within {RANK_TIMEOUT_S} s")
-        finally:
-            for proc in procs:
-                proc.join(timeout=10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-    return out
+    results, errors = forked_ranks.run_forked_ranks(
+        _rank_body(names), ranks=RANKS, timeout_s=RANK_TIMEOUT_S, collective_timeout_s=30
+    )
+    return TwoRanks(results, errors)
 
 
 @pytest.fixture(scope="module")

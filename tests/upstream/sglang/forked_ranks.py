@@ -1,0 +1,88 @@
+"""Run a function on forked gloo ranks, on CPU, and collect what each rank returned.
+
+Fork (not spawn) so the ranks reuse the sglang modules this process imported: a spawned child
+would re-import them for 10-30 s. Nothing distributed may be initialized in this process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+
+class RankResults(NamedTuple):
+    results: dict[int, Any]  # rank -> what the body returned
+    errors: list[str]  # a rank's traceback, or the ranks that hung
+
+
+def _rank_main(
+    rank: int, ranks: int, store: str, collective_timeout_s: float, body: Callable[[int], Any], results: Any
+) -> None:
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=ranks,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        out = body(rank)
+        dist.destroy_process_group()
+        results.put((rank, out, None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        # Flush the queue's feeder thread, then leave without running the parent's pytest
+        # teardown or atexit hooks, which a forked child inherited.
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def run_forked_ranks(
+    body: Callable[[int], Any], *, ranks: int, timeout_s: float, collective_timeout_s: float
+) -> RankResults:
+    """Run ``body(rank)`` on `ranks` forked processes of one gloo world, all within `timeout_s`
+    (a rank that has not answered by then is reported as hung and killed)."""
+    assert not dist.is_initialized(), "fork the ranks from a process without a process group"
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    out = RankResults({}, [])
+    with tempfile.TemporaryDirectory(prefix="forked-ranks-") as tmp:
+        store = str(Path(tmp) / "store")
+        procs = [
+            ctx.Process(target=_rank_main, args=(rank, ranks, store, collective_timeout_s, body, results))
+            for rank in range(ranks)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        reported: set[int] = set()
+        try:
+            for _ in range(ranks):
+                rank, result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                reported.add(rank)
+                if error is not None:
+                    out.errors.append(f"rank {rank}:\n{error}")
+                else:
+                    out.results[rank] = result
+        except queue.Empty:
+            hung = sorted(set(range(ranks)) - reported)
+            out.errors.append(f"rank(s) {hung} hung: no result within {timeout_s} s")
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    return out
