@@ -1,18 +1,18 @@
-"""kvcached's elastic allocators report every miss the way SGLang 0.5.20's prefill unwind handles it.
+"""kvcached's elastic allocators report every miss the way the carried SGLang prefill unwind handles it.
 
 The unwind (sglang-carry, `AllocationMiss`) sees a miss where SGLang's own allocators show one: `alloc`,
 `alloc_extend` and `alloc_decode` return None, having taken nothing. These tests build the REAL kvcached
-elastic allocators on the REAL SGLang 0.5.20 allocator classes (the SWA composite included) and fake only
-the boundaries: the KVCacheManager (whose contract is: block ids, or None with nothing taken), the device
-check (CPU stands in for the GPU) and the Triton allocator kernels (SGLang's own CPU reference,
-`alloc_extend_naive`, computes them).
+elastic allocators on the REAL SGLang allocator classes of the line under test (the SWA composite
+included) and fake only the boundaries: the KVCacheManager (whose contract is: block ids, or None with
+nothing taken), the device check (CPU stands in for the GPU) and the Triton allocator kernels (SGLang's
+own CPU reference, `alloc_extend_naive`, computes them).
 
 A composite allocation that misses on one sub-pool must give back what the other sub-pool took; a miss
 after SGLang's availability check is what an elastic pool adds (another engine mapped the last physical
 pages), so the checks report capacity while the KVCacheManager misses.
 
-The SGLang version gate is checked too: kvcached patches exactly the SGLang that this series is tested
-with, 0.5.20 (and local builds of it).
+The SGLang version gate is checked too: kvcached patches exactly the SGLang releases this project
+carries a series for and runs these tests against (and local builds of them), and refuses every other.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,9 +29,14 @@ import sglang.srt.mem_cache.allocator as alloc_pkg
 import sglang.srt.mem_cache.allocator.swa as swa_mod
 import torch
 from kvcached.integration.sglang import patches
-from kvcached.integration.version_utils import VersionManager, VersionRange
+from kvcached.integration.version_utils import VersionManager
+from packaging.version import Version
 from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
 from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
+
+from sglang_carry.project import Project
+
+ROOT = Path(__file__).resolve().parents[3]
 
 PAGE = 4
 NUM_PAGES = 8
@@ -311,25 +317,48 @@ def test_swa_allocation_that_fails_without_a_miss_stays_loud(elastic: types.Simp
 # -- the SGLang version gate ---------------------------------------------------------------------
 
 
+def carried_sglang_lines() -> list[str]:
+    project = Project(ROOT)
+    sglang_pins = project.pins()["sglang"]
+    return sorted(
+        (release.version for release in sglang_pins.releases if project.has_series(release)),
+        key=Version,
+    )
+
+
+def test_sglang_gate_admits_exactly_the_carried_lines() -> None:
+    assert sorted(patches.SGLANG_TESTED_RELEASES, key=Version) == carried_sglang_lines()
+
+
+@pytest.mark.parametrize("line", carried_sglang_lines())
+@pytest.mark.parametrize("local", ["", "+carry.3"])
+def test_sglang_gate_admits_a_carried_line_and_its_local_builds(line: str, local: str) -> None:
+    assert patches.sglang_is_tested(line + local)
+
+
 @pytest.mark.parametrize(
-    ("version", "tested"),
+    "version",
     [
-        ("0.5.20", True),
-        ("0.5.20+carry.3", True),
-        ("0.4.9", False),
-        ("0.5.19", False),
-        ("0.5.20rc1", False),
-        ("0.5.20.post1", False),
-        ("0.5.21.dev0", False),
-        ("0.5.21rc1", False),
-        ("0.5.21", False),
+        "0.4.9",
+        "0.5.19",
+        "0.5.20rc1",
+        "0.5.20.post1",
+        "0.5.21.dev0",
+        "0.5.22rc1",
+        "0.5.23.post1",
+        "0.5.24",
+        "0.6.0",
+        "not-a-version",
+        None,
     ],
 )
-def test_sglang_gate_covers_exactly_the_tested_version(version: str, tested: bool) -> None:
-    assert VersionRange(patches.SGLANG_ALL_RANGE).contains(version) is tested
+def test_sglang_gate_refuses_every_other_version(version: str | None) -> None:
+    assert not patches.sglang_is_tested(version)
 
 
-@pytest.mark.parametrize(("version", "patched"), [("0.5.20", True), ("0.5.19", False), ("0.5.21", False)])
+@pytest.mark.parametrize(
+    ("version", "patched"), [(carried_sglang_lines()[-1], True), ("0.5.19", False), ("0.5.24", False)]
+)
 def test_autopatch_patches_only_the_tested_sglang(
     monkeypatch: pytest.MonkeyPatch, version: str, patched: bool
 ) -> None:
