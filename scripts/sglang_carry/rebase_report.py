@@ -51,7 +51,9 @@ class PatchResult:
             return f"resolved by hand in {', '.join(self.resolved_files)}; {self.change}"
         if self.outcome == "conflict":
             return f"conflicts in {', '.join(self.resolved_files) or '?'}"
-        return "its diff dropped"
+        if self.outcome == "applied-upstream":
+            return "nothing (no diff)"
+        return "nothing: its diff dropped"
 
 
 def today() -> str:
@@ -145,10 +147,12 @@ def _changed_lines(diff: str) -> list[str]:
 def porting_change(old_patch: str, new_diff: str) -> str:
     """How far the ported diff is from the old patch, counted in changed (+/-) lines."""
     before, after = _changed_lines(old_patch), _changed_lines(new_diff)
-    differing = sum(1 for line in difflib.ndiff(before, after) if line.startswith(("+ ", "- ")))
-    if differing == 0:
-        return f"the same {len(before)} changed lines as the old patch"
-    return f"{differing} changed lines differ from the old patch ({len(before)} -> {len(after)})"
+    compared = list(difflib.ndiff(before, after))
+    gone = sum(1 for line in compared if line.startswith("- "))
+    new = sum(1 for line in compared if line.startswith("+ "))
+    if gone == new == 0:
+        return f"the same {len(before)} +/- lines as the old patch"
+    return f"{gone} of the old patch's {len(before)} +/- lines replaced by {new} new ones"
 
 
 # --- tables and the report ---
