@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -41,7 +41,7 @@ from .rebase_report import (
 from .registry import Fetcher, append_release, fetch_url, index_files, index_url, release_from_index
 from .runner import Runner, run_subprocess
 from .series import Entry, Series
-from .verify import PASS, TreeTester, Verdict, default_test_python, render_table, verify_target
+from .verify import ERROR, FAIL, PASS, TreeTester, Verdict, default_test_python, render_table, verify_target
 
 STATE_FILE = "rebase.json"
 REPORT_FILE = "REBASE.md"
@@ -235,8 +235,8 @@ def rebase(
     with _undone_unless_done(project, git, path, state):
         if pinned is not None:
             state.pin_before = _read_pin(state)
+            _save(path, state)  # before the change, so that even a killed rebase can be aborted
             append_release(Path(state.pin_file), pinned)
-            _save(path, state)
         failing = _run(project, git, path, state, runner, stop_at_conflict=True)
     return conclude(state, failing)
 
@@ -246,7 +246,8 @@ def _pin_file(project: Project, name: str) -> Path:
 
 
 def _read_pin(state: State) -> str:
-    return Path(state.pin_file).read_text(encoding="utf-8")
+    # Bytes decoded by hand: read_text would turn CRLF into LF, and --abort restores bytes.
+    return Path(state.pin_file).read_bytes().decode("utf-8", "surrogateescape")
 
 
 def _pin(
@@ -328,9 +329,24 @@ def _pristine_outcomes(
     print(f"rebase: running the series' tests on pristine {target.label}", flush=True)
     tester = TreeTester(project, target, git, python, runner)
     try:
-        return {entry.filename: tester.outcome(pristine, entry.tests) for entry in tested}
+        return entry_outcomes(tester, pristine, tested)
     finally:
         tester.close()
+
+
+def entry_outcomes(tester: TreeTester, commit: str, entries: Sequence[Entry]) -> dict[str, str]:
+    """Each entry's outcome at ``commit``: pass only if all its test ids pass. One pytest run for
+    all of them where the tester can do that (``outcomes``), else one run per entry."""
+    all_at_once = getattr(tester, "outcomes", None)
+    if all_at_once is None:
+        return {entry.filename: tester.outcome(commit, entry.tests) for entry in entries}
+    ids = list(dict.fromkeys(test for entry in entries for test in entry.tests))
+    per_id: dict[str, str] = all_at_once(commit, ids)
+    combined = {}
+    for entry in entries:
+        found = [per_id.get(test, ERROR) for test in entry.tests]
+        combined[entry.filename] = ERROR if ERROR in found else (PASS if set(found) == {PASS} else FAIL)
+    return combined
 
 
 def _replay(
@@ -495,6 +511,11 @@ def _finish(
         (series_dir := project.patches_dir / state.name / state.new).mkdir(parents=True, exist_ok=True)
         (series_dir / REPORT_FILE).write_text(report, encoding="utf-8")
     print(render_patch_table(state.results))
+    for result in state.results:
+        for condition in result.drop_when:
+            print(
+                f"rebase: {result.filename}: its Drop-When admits {state.new} ({condition}): {result.outcome}"
+            )
     if verify_table:
         print(verify_table)
     path.unlink(missing_ok=True)
@@ -542,9 +563,9 @@ def rebase_continue(project: Project, runner: Runner = run_subprocess) -> int:
     target = _new_target(project, state)
     series = _old_series(project, state, runner)
     if state.stopped_at is None:
-        raise CarryError(
-            f"the rebase of {state.name} to {state.new} did not stop at a conflict: `carry rebase --abort`"
-        )
+        # It failed after the last conflict (while exporting, say): go on from where it was.
+        failing = _replay(project, git, path, state, target, series, runner, stop_at_conflict=True)
+        return conclude(state, failing)
     entry = series.entries[state.next_index]
     label = f"{series.label}/{entry.filename}"
     _take_resolution(git, target, state, label)
@@ -640,7 +661,7 @@ def _undo(project: Project, git: Git, path: Path, state: State) -> None:
         (project.downloads_dir / state.created_download).unlink(missing_ok=True)
     shutil.rmtree(project.patches_dir / state.name / state.new, ignore_errors=True)
     if state.pin_before is not None:
-        Path(state.pin_file).write_text(state.pin_before, encoding="utf-8")
+        Path(state.pin_file).write_bytes(state.pin_before.encode("utf-8", "surrogateescape"))
     git.run("worktree", "prune", check=False)
     path.unlink(missing_ok=True)
 
@@ -655,6 +676,7 @@ def _check(
     as they are."""
     project.scratch_dir.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(dir=project.scratch_dir, prefix="rebase-check-"))
+    print(f"rebase: --check works in {base.relative_to(project.root)} and removes it at the end", flush=True)
     try:
         scratch = ScratchProject(project.root, base)
         _copy_into_scratch(project, scratch, upstream.name, old, runner)

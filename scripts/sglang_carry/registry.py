@@ -195,8 +195,9 @@ def render_release(release: Release) -> str:
 
 
 def append_release(pin_file: Path, release: Release) -> None:
-    text = pin_file.read_text(encoding="utf-8")
-    if text and not text.endswith("\n"):
-        text += "\n"
-    mode = pin_file.stat().st_mode & 0o777
-    write_atomically(pin_file, (text + render_release(release)).encode("utf-8"), mode)
+    data = pin_file.read_bytes()
+    newline = b"\r\n" if b"\r\n" in data else b"\n"
+    if data and not data.endswith(b"\n"):
+        data += newline
+    addition = render_release(release).encode("utf-8").replace(b"\n", newline)
+    write_atomically(pin_file, data + addition, pin_file.stat().st_mode & 0o777)
