@@ -15,9 +15,9 @@ import pytest
 
 from sglang_carry.errors import CarryError
 from sglang_carry.patching import export
-from sglang_carry.pins import load_upstream
+from sglang_carry.pins import PinnedFile, Release, load_upstream
 from sglang_carry.rebase import Request, rebase, rebase_abort, rebase_continue
-from sglang_carry.registry import fetch_url, index_files
+from sglang_carry.registry import IndexFile, fetch_url, index_files, release_from_index, render_release
 from sglang_carry.runner import Completed
 from sglang_carry.series import load_series
 
@@ -440,3 +440,65 @@ def test_file_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     found = index_files("Demo", (tmp_path / "index").as_uri(), fetch_url)
     assert [(f.filename, f.sha256) for f in found] == [("demo-1.2.tar.gz", "ab" * 32)]
     assert os.path.basename(found[0].url) == "demo-1.2.tar.gz"
+
+
+def test_failure_after_the_pin_undoes_everything(demo: DemoProject) -> None:
+    rebasing = Rebasing(demo, OLD_CORE)
+    del demo.pip.files["demo==1.2"]  # the download fails after the pin was written
+    before = fingerprint(demo)
+    with pytest.raises(CarryError, match=r"pip could not download demo-1.2-py3-none-any.whl"):
+        rebasing.run()
+    assert fingerprint(demo) == before
+    with pytest.raises(CarryError, match=r"no carry rebase is in progress"):
+        rebasing.abort()
+
+
+def test_refused_when_the_old_line_is_not_ready(demo: DemoProject) -> None:
+    rebasing = Rebasing(demo, OLD_CORE)
+    demo.commit_change(CORE, core(("return 41", "return 0")), message("Not exported", "tests/test_answer.py"))
+    before = fingerprint(demo)
+    with pytest.raises(CarryError, match=r"carry/1.1 in upstream/demo differs from patches/demo/1.1"):
+        rebasing.run()
+    assert fingerprint(demo) == before
+
+
+def sglang_release(version: str, files: list[str]) -> Release:
+    return Release("sglang", version, f"v{version}", tuple(PinnedFile(name, "0" * 64) for name in files))
+
+
+def index_file(name: str) -> IndexFile:
+    return IndexFile(name, f"https://files.example/{name}", hashlib.sha256(name.encode()).hexdigest(), False)
+
+
+def test_the_new_pin_has_the_kinds_of_file_the_old_one_pins() -> None:
+    kinds = ["cp311-cp311-manylinux_2_34_x86_64", "cp311-cp311-manylinux_2_34_aarch64"]
+    old = sglang_release("0.5.20", [f"sglang-0.5.20-{kind}.whl" for kind in kinds])
+    offered = [
+        index_file(f"sglang-0.5.23-{kind}.whl")
+        for kind in (
+            "cp310-cp310-manylinux_2_34_x86_64",
+            "cp311-cp311-manylinux_2_39_x86_64",
+            "cp311-cp311-manylinux_2_28_x86_64",
+            "cp311-cp311-manylinux_2_34_aarch64",
+            "cp313-cp313-manylinux_2_34_aarch64",
+        )
+    ] + [
+        index_file("sglang-0.5.23.tar.gz"),
+        index_file("sglang-0.5.22-cp311-cp311-manylinux_2_34_x86_64.whl"),
+    ]
+    new = release_from_index(old, "0.5.23", offered, "https://index.example")
+    # A changed glibc floor is followed (the lowest that fits); the same tags are taken as they are.
+    assert [f.filename for f in new.files] == [
+        "sglang-0.5.23-cp311-cp311-manylinux_2_28_x86_64.whl",
+        "sglang-0.5.23-cp311-cp311-manylinux_2_34_aarch64.whl",
+    ]
+    assert new.files[1].sha256 == offered[3].sha256 and new.files[1].url is None
+    assert new.git_tag == "v0.5.23"
+    with pytest.raises(
+        CarryError, match=r"sglang 0.5.22 on https://index.example has no file of the kind 0.5.20"
+    ):
+        release_from_index(old, "0.5.22", offered, "https://index.example")
+    sdist = Release("kvcached", "0.1.6", "v0.1.6", (PinnedFile("kvcached-0.1.6.tar.gz", "0" * 64, "u"),))
+    kv = release_from_index(sdist, "0.1.7", [index_file("kvcached-0.1.7.tar.gz")], "https://index.example")
+    assert kv.files[0].url == "https://files.example/kvcached-0.1.7.tar.gz"
+    assert render_release(kv).startswith('\n[[release]]\nversion = "0.1.7"\ngit_tag = "v0.1.7"\n')
