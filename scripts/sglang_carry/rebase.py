@@ -25,7 +25,7 @@ from packaging.version import InvalidVersion, Version
 from .errors import CarryError
 from .fetch import download, lay_checkout
 from .git import Git, summarize_git_output
-from .patching import export, require_clean, require_line_ready, require_no_operation
+from .patching import apply, export, require_clean, require_line_ready, require_no_operation
 from .pins import Release, Upstream, load_upstream, select_file
 from .project import Project, Target, default_target
 from .rebase_report import (
@@ -177,11 +177,7 @@ def rebase(
     runner: Runner = run_subprocess,
     fetch: Fetcher = fetch_url,
 ) -> int:
-    for _, state in _in_progress(project, runner):
-        raise CarryError(
-            f"a carry rebase of {state.name} {state.old} -> {state.new} is in progress: "
-            "`carry rebase --continue` after resolving, or `carry rebase --abort`; nothing was changed"
-        )
+    """Rebase (or with ``check`` try, in a scratch copy) the old line onto ``request.new``."""
     upstream = choose_upstream(project, request.package)
     old = (
         Target(upstream, upstream.release(request.old)) if request.old else default_target(project, upstream)
@@ -193,16 +189,32 @@ def rebase(
             "rebase onto a newer release, or name the older line with --upstream"
         )
     series = project.series(old.release, runner)
-    git = Git(project.checkout(upstream.name), runner)
-    if git.exists():
-        require_no_operation(git, old, "carry rebase")
-        require_clean(git, old, "carry rebase")
-    git = require_line_ready(project, old, series, runner, "carry rebase")
     if series.carries_nothing is not None:
         raise CarryError(
             f"{series.label} carries nothing on purpose, so there is nothing to rebase: pin {request.new} "
             f"and write patches/{upstream.name}/{request.new}/carries-nothing"
         )
+    if check:
+        # The scratch copy rebuilds the old line from patches/ and needs only its pristine tree:
+        # the checkout's branches and state (and an existing new line) do not matter to it.
+        series.require_something_to_carry()
+        series.require_current_revision()
+        if Git(project.checkout(upstream.name), runner).rev(old.upstream_tag) is None:
+            raise CarryError(
+                f"no checkout of {old.label} in upstream/{upstream.name}: "
+                f"run `carry fetch {upstream.name} --upstream {old.version}` first"
+            )
+        return _check(project, request, upstream, old, runner, fetch)
+    for _, state in _in_progress(project, runner):
+        raise CarryError(
+            f"a carry rebase of {state.name} {state.old} -> {state.new} is in progress: "
+            "`carry rebase --continue` after resolving, or `carry rebase --abort`; nothing was changed"
+        )
+    git = Git(project.checkout(upstream.name), runner)
+    if git.exists():
+        require_no_operation(git, old, "carry rebase")
+        require_clean(git, old, "carry rebase")
+    git = require_line_ready(project, old, series, runner, "carry rebase")
     new_branch = f"carry/{request.new}"
     if git.rev(new_branch) is not None:
         raise CarryError(
@@ -215,8 +227,6 @@ def rebase(
             f"patches/{upstream.name}/{request.new} already exists: the line has been rebased; "
             "remove it to rebase again; nothing was changed"
         )
-    if check:
-        return _check(project, request, upstream, old, runner, fetch)
     pinned, pin_text = _pin(project, upstream, old.release, request, fetch)
     head = git.run("symbolic-ref", "--quiet", "HEAD", check=False)
     state = State(
@@ -704,8 +714,9 @@ def _check(
 def _copy_into_scratch(
     project: Project, scratch: ScratchProject, name: str, old: Target, runner: Runner
 ) -> None:
-    """Pins and the old series copied, downloads linked, and the checkout's tags and old branch
-    fetched into a new repository that borrows the real one's objects (nothing is written there)."""
+    """Pins and the old series copied, downloads linked, the checkout's pristine tags fetched into
+    a new repository that borrows the real one's objects (nothing is written there), and the old
+    line rebuilt there from its patches with `carry apply`."""
     scratch.upstream_dir.mkdir(parents=True)
     for pin in project.upstream_dir.glob("*.toml"):
         shutil.copy2(pin, scratch.upstream_dir / pin.name)
@@ -725,8 +736,5 @@ def _copy_into_scratch(
     if exclude.exists():
         clone.git_path("info").mkdir(exist_ok=True)
         shutil.copy2(exclude, clone.git_path("info/exclude"))
-    clone.run(
-        "fetch", "--quiet", "--no-tags", str(real.repo),
-        "refs/tags/upstream/*:refs/tags/upstream/*", f"refs/heads/{old.branch}:refs/heads/{old.branch}",
-    )  # fmt: skip
-    clone.run("checkout", "--quiet", old.branch)
+    clone.run("fetch", "--quiet", "--no-tags", str(real.repo), "refs/tags/upstream/*:refs/tags/upstream/*")
+    apply(scratch, Target(scratch.pins()[name], old.release), runner)

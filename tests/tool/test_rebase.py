@@ -177,7 +177,8 @@ def fingerprint(demo: DemoProject) -> dict[str, str]:
         if path.is_file() and checkout_git not in path.parents and demo.root / ".git" not in path.parents:
             prints[str(path.relative_to(demo.root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     prints["<refs>"] = git(demo.checkout, "for-each-ref", "--format=%(refname) %(objectname)").stdout
-    prints["<HEAD>"] = git(demo.checkout, "symbolic-ref", "HEAD").stdout
+    prints["<HEAD>"] = git(demo.checkout, "symbolic-ref", "HEAD", check=False).stdout
+    prints["<HEAD commit>"] = git(demo.checkout, "rev-parse", "HEAD").stdout
     prints["<status>"] = git(demo.checkout, "status", "--porcelain", "--untracked-files=all").stdout
     return prints
 
@@ -502,3 +503,21 @@ def test_the_new_pin_has_the_kinds_of_file_the_old_one_pins() -> None:
     kv = release_from_index(sdist, "0.1.7", [index_file("kvcached-0.1.7.tar.gz")], "https://index.example")
     assert kv.files[0].url == "https://files.example/kvcached-0.1.7.tar.gz"
     assert render_release(kv).startswith('\n[[release]]\nversion = "0.1.7"\ngit_tag = "v0.1.7"\n')
+
+
+def test_check_after_the_rebase_and_beside_work_in_progress(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What the acceptance runs once the new line is committed: --check rebuilds the old line from
+    # patches/ in its scratch copy, so the new line, and the checkout's state, do not matter.
+    rebasing = Rebasing(demo, core(("def f0():", "def f0() -> int:")))
+    assert rebasing.run() == 0
+    git(demo.checkout, "checkout", "-q", "--detach", "upstream/1.1")
+    (demo.checkout / "scratch.txt").write_text("work in progress\n")
+    before = fingerprint(demo)
+    capsys.readouterr()
+    assert rebasing.run(check=True) == 0
+    out = capsys.readouterr().out
+    assert "apply: demo 1.1: 3 patch(es) from patches/demo/1.1 on carry/1.1" in out
+    assert outcomes(out)[0] == ("0001-Fix-the-answer.patch", "3-way")
+    assert fingerprint(demo) == before
