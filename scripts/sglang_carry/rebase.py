@@ -12,6 +12,7 @@ other failure undoes it at once: a rebase either finishes, stops at a conflict, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -38,7 +39,15 @@ from .rebase_report import (
     render_report,
     with_applied_upstream_status,
 )
-from .registry import Fetcher, append_release, fetch_url, index_files, index_url, release_from_index
+from .registry import (
+    Fetcher,
+    append_release,
+    fetch_url,
+    index_files,
+    index_url,
+    newest_version,
+    release_from_index,
+)
 from .runner import Runner, run_subprocess
 from .series import Entry, Series
 from .verify import ERROR, FAIL, PASS, TreeTester, Verdict, default_test_python, render_table, verify_target
@@ -46,6 +55,8 @@ from .verify import ERROR, FAIL, PASS, TreeTester, Verdict, default_test_python,
 STATE_FILE = "rebase.json"
 REPORT_FILE = "REBASE.md"
 DEFAULT_PACKAGE = "sglang"
+# NEW_VERSION meaning the newest final release on the index (for the nightly canary).
+LATEST = "latest"
 
 # Outcomes of one patch (PatchResult.outcome).
 CLEAN = "clean"  # git am applied it as it was
@@ -182,6 +193,16 @@ def rebase(
     old = (
         Target(upstream, upstream.release(request.old)) if request.old else default_target(project, upstream)
     )
+    if request.new == LATEST:
+        index = index_url(request.index)
+        newest = newest_version(upstream.name, index_files(upstream.name, index, fetch))
+        if newest is None:
+            raise CarryError(f"{index} lists no final release of {upstream.name}: check --index-url")
+        print(f"rebase: the newest {upstream.name} on {index} is {newest}")
+        if check and newest <= old.release.parsed_version:
+            print(f"rebase: {old.label} is the newest release already: nothing to check")
+            return 0
+        request = dataclasses.replace(request, new=str(newest))
     command = f"carry rebase {request.new} {upstream.name} --upstream {old.version}"
     if _parse_version(request.new) <= old.release.parsed_version:
         raise CarryError(

@@ -521,3 +521,14 @@ def test_check_after_the_rebase_and_beside_work_in_progress(
     assert "apply: demo 1.1: 3 patch(es) from patches/demo/1.1 on carry/1.1" in out
     assert outcomes(out)[0] == ("0001-Fix-the-answer.patch", "3-way")
     assert fingerprint(demo) == before
+
+
+def test_check_latest(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
+    rebasing = Rebasing(demo, OLD_CORE)
+    capsys.readouterr()
+    assert rebasing.run(check=True, new="latest") == 0
+    out = capsys.readouterr().out
+    assert "the newest demo on https://pypi.org/simple is 1.2" in out and "verify green" in out
+    rebasing.index.wheels[:] = [make_wheel(demo.artifacts, "demo", "1.1", OLD_FILES)]
+    assert rebasing.run(check=True, new="latest") == 0
+    assert "demo 1.1 is the newest release already: nothing to check" in capsys.readouterr().out
