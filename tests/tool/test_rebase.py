@@ -532,3 +532,18 @@ def test_check_latest(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> 
     rebasing.index.wheels[:] = [make_wheel(demo.artifacts, "demo", "1.1", OLD_FILES)]
     assert rebasing.run(check=True, new="latest") == 0
     assert "demo 1.1 is the newest release already: nothing to check" in capsys.readouterr().out
+
+
+def test_cli_lines(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
+    demo.fetch()
+    capsys.readouterr()
+    assert demo.carry("rebase") == 1
+    assert capsys.readouterr().err == (
+        "carry rebase: error: name the release to rebase onto: `carry rebase NEW_VERSION [PACKAGE]`\n"
+    )
+    assert demo.carry("rebase", "--continue") == 1
+    assert capsys.readouterr().err.startswith("carry rebase: error: no carry rebase is in progress")
+    assert demo.carry("rebase", "--abort", "1.2") == 1
+    assert "--continue and --abort take nothing else" in capsys.readouterr().err
+    assert demo.carry("rebase", "1.x", "demo") == 1
+    assert capsys.readouterr().err.startswith("carry rebase: error: '1.x' is not a PEP 440 version")
