@@ -360,9 +360,12 @@ def _pristine_outcomes(
     print(f"rebase: running the series' tests on pristine {target.label}", flush=True)
     tester = TreeTester(project, target, git, python, runner)
     try:
-        return entry_outcomes(tester, pristine, tested)
+        found = entry_outcomes(tester, pristine, tested)
     finally:
         tester.close()
+    for filename, outcome in found.items():
+        print(f"rebase: pristine {target.version}: {filename}: its tests {outcome}")
+    return found
 
 
 def entry_outcomes(tester: TreeTester, commit: str, entries: Sequence[Entry]) -> dict[str, str]:
