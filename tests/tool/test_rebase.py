@@ -17,9 +17,10 @@ from sglang_carry.errors import CarryError
 from sglang_carry.patching import export
 from sglang_carry.pins import PinnedFile, Release, load_upstream
 from sglang_carry.rebase import Request, rebase, rebase_abort, rebase_continue
+from sglang_carry.rebase_report import drop_when_matches
 from sglang_carry.registry import IndexFile, fetch_url, index_files, release_from_index, render_release
 from sglang_carry.runner import Completed
-from sglang_carry.series import load_series
+from sglang_carry.series import Entry, load_series
 
 from .conftest import DEMO_FILES, DemoProject, git, make_wheel, patch_message, sha256_file
 
@@ -547,3 +548,20 @@ def test_cli_lines(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> Non
     assert "--continue and --abort take nothing else" in capsys.readouterr().err
     assert demo.carry("rebase", "1.x", "demo") == 1
     assert capsys.readouterr().err.startswith("carry rebase: error: '1.x' is not a PEP 440 version")
+
+
+@pytest.mark.parametrize(
+    ("condition", "admits"),
+    [
+        ("rebased onto sglang >= 0.5.22", True),
+        (">=0.5.23", True),
+        ("sglang >= 0.5.22, < 0.5.23", False),
+        ("an sglang release catches it (none up to 0.5.23 does)", False),
+        ("sglang 0.5.23 ships the fix", True),
+        ("sglang 0.5.2 ships the fix", False),
+        ("never (kept as a regression test)", False),
+    ],
+)
+def test_drop_when_conditions_that_admit_the_new_release(condition: str, admits: bool) -> None:
+    entry = Entry("0001-x.patch", "x", {"Drop-When": [condition]}, True, "0" * 64)
+    assert drop_when_matches(entry, "sglang", "0.5.23") == ([condition] if admits else [])
