@@ -565,3 +565,17 @@ def test_cli_lines(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> Non
 def test_drop_when_conditions_that_admit_the_new_release(condition: str, admits: bool) -> None:
     entry = Entry("0001-x.patch", "x", {"Drop-When": [condition]}, True, "0" * 64)
     assert drop_when_matches(entry, "sglang", "0.5.23") == ([condition] if admits else [])
+
+
+def test_conflict_then_continue_after_a_plain_git_commit(demo: DemoProject) -> None:
+    rebasing = Rebasing(demo, core(("return 41", "return 40")))
+    with pytest.raises(CarryError, match=r"conflicts with demo 1.2"):
+        rebasing.run()
+    (demo.checkout / CORE).write_text(core(("return 41", "return 42")))
+    git(demo.checkout, "add", CORE)
+    final = git(demo.checkout, "rev-parse", "--git-path", "rebase-apply/final-commit").stdout.strip()
+    git(demo.checkout, "commit", "-q", "-F", final)  # inside the stopped git am
+    assert rebasing.resume() == 0
+    assert rebasing.new_entries() == [("Pending", True), ("Pending", True), ("Applied-Upstream", False)]
+    assert git(demo.checkout, "rev-parse", "--git-path", "rebase-apply").stdout.strip()
+    assert not (demo.checkout / ".git" / "rebase-apply").exists()
