@@ -14,6 +14,8 @@ from .fetch import fetch
 from .files import describe_os_error
 from .patching import apply, export
 from .project import Project, Target, select_targets
+from .rebase import Request, rebase, rebase_abort, rebase_continue
+from .registry import INDEX_ENV
 from .status import status
 from .verify import verify
 from .wheel import build_all
@@ -98,13 +100,68 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None,
                 help="interpreter with the test environment (default: .venv-test/bin/python)",
             )
+    _add_rebase_parser(commands)
     return parser
+
+
+def _add_rebase_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    summary = "move a line's series onto a new upstream release (pin, replay, drop what upstream fixed)"
+    sub = commands.add_parser("rebase", help=summary, description=summary)
+    sub.add_argument("new", nargs="?", metavar="NEW_VERSION", help="the upstream release to rebase onto")
+    sub.add_argument(
+        "package", nargs="?", metavar="PACKAGE", help="upstream to rebase (default: sglang, or the only one)"
+    )
+    sub.add_argument(
+        "--upstream",
+        metavar="OLD",
+        default=None,
+        help="the line to rebase (default: the newest pinned line that has a series)",
+    )
+    sub.add_argument(
+        "--keep", action="store_true", help="keep entries whose tests pass on the new pristine tree as diffs"
+    )
+    sub.add_argument(
+        "--check",
+        action="store_true",
+        help="replay and test in a scratch copy, change nothing; exit 0 if each patch carries or is upstream",
+    )
+    sub.add_argument(
+        "--continue", dest="resume", action="store_true", help="go on after resolving a conflict"
+    )
+    sub.add_argument("--abort", action="store_true", help="undo the rebase in progress entirely")
+    sub.add_argument(
+        "--python",
+        default=None,
+        help="interpreter with the test environment (default: .venv-test/bin/python)",
+    )
+    sub.add_argument(
+        "--index-url",
+        default=None,
+        help=f"PEP 691 package index to pin from (default: ${INDEX_ENV} or https://pypi.org/simple)",
+    )
+
+
+def _rebase(project: Project, args: argparse.Namespace) -> int:
+    if args.resume or args.abort:
+        if (args.resume and args.abort) or args.new or args.check:
+            raise CarryError(
+                "--continue and --abort take nothing else: `carry rebase --continue` or `--abort`"
+            )
+        return rebase_continue(project) if args.resume else rebase_abort(project)
+    if not args.new:
+        raise CarryError("name the release to rebase onto: `carry rebase NEW_VERSION [PACKAGE]`")
+    request = Request(args.new, args.package, args.upstream, args.keep, args.python, args.index_url)
+    return rebase(project, request, check=args.check)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         project = Project(args.root.resolve()) if args.root else Project.find(Path.cwd())
+        if args.command == "rebase":
+            code = _rebase(project, args)
+            sys.stdout.flush()
+            return code
         every_line = args.command in EVERY_LINE_COMMANDS
         targets = select_targets(project, args.packages, args.upstream, every_line)
         code = COMMANDS[args.command][1](project, targets, args)
