@@ -19,6 +19,7 @@ from .patching import require_line_ready
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 from .series import Entry
+from .testenv import test_python
 
 PASS, FAIL, ERROR, NONE = "pass", "fail", "error", "-"
 
@@ -371,9 +372,10 @@ def render_table(rows: list[tuple[str, Verdict]]) -> str:
 def verify(
     project: Project, targets: list[Target], python: str | None, runner: Runner = run_subprocess
 ) -> int:
-    interpreter = python or default_test_python(project)
+    """``python`` overrides each line's own test environment (see testenv.py)."""
     rows: list[tuple[str, Verdict]] = []
     for target in targets:
+        interpreter = python or test_python(project, target.release)
         rows.extend(
             (target.label, verdict) for verdict in verify_target(project, target, interpreter, runner)
         )
