@@ -68,6 +68,10 @@ def site_packages(python: Path) -> Path:
 
 
 def build(env: TestEnv) -> None:
+    if env.venv.is_symlink():
+        # Someone else's environment, lent to this checkout: never rebuilt (or deleted) from here.
+        print(f"test-env: {env.venv.name} ({env.name}) is a link to {env.venv.resolve()}: left as it is")
+        return
     wanted = inputs_digest(env)
     stamp = env.venv / STAMP
     if stamp.exists() and stamp.read_text().strip() == wanted:
