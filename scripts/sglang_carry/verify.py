@@ -152,6 +152,8 @@ class TreeTester:
         self.wanted: dict[str, list[list[str]]] = {}
         self.results: dict[tuple[str, str], str] = {}
         self.tree_seconds: dict[str, float] = {}
+        # What each commit is, for the progress lines (e.g. "pristine", "patches 1-3").
+        self.names: dict[str, str] = {}
         self._finished = 0
         self._lock = threading.Lock()
 
@@ -278,7 +280,8 @@ class TreeTester:
                 for kind in (PASS, FAIL, ERROR)
             )
             print(
-                f"verify: {self.target.label}: tree {self._finished}/{total} {commit[:12]} "
+                f"verify: {self.target.label}: tree {self._finished}/{total} {commit[:12]}"
+                f"{' (' + self.names[commit] + ')' if commit in self.names else ''} "
                 f"(slot {slot.number}): {len(tests)} id(s): {counts} in {seconds:.0f} s",
                 flush=True,
             )
@@ -332,6 +335,9 @@ def verify_target(project: Project, target: Target, python: str, runner: Runner)
     pristine = git.rev(target.upstream_tag)
     assert pristine is not None and len(commits) == len(series.entries)
     tester = TreeTester(project, target, git, python, runner)
+    tester.names = {pristine: "pristine"} | {
+        commit: f"patches 1-{index + 1}" for index, commit in enumerate(commits)
+    }
     sides: list[tuple[Entry, str, str]] = []
     for index, entry in enumerate(series.entries):
         if entry.applied_upstream:
