@@ -275,3 +275,28 @@ def test_junit_report_to_node_ids(tmp_path: Path) -> None:
     assert not selects("tests/t", "tests/t.py::test_s")
     with pytest.raises(ValueError, match="no readable test report"):
         junit_cases(tmp_path / "missing.xml")
+
+
+def test_without_a_report_the_exit_code_decides_per_group(demo: DemoProject) -> None:
+    two_fixes(demo)
+    passing = {"tests/good.py"}
+    runs: list[list[str]] = []
+
+    def exit_code_only(args: Sequence[str], **kwargs: Any) -> Completed:
+        if "pytest" in args:  # writes no report, like a stand-in for pytest
+            ids = list(args[list(args).index("no:cacheprovider") + 1 :])
+            runs.append(ids)
+            return Completed(tuple(args), 0 if set(ids) <= passing else 1, "", "")
+        return demo.pip(args, **kwargs)
+
+    tester, commits = make_tester(demo, exit_code_only)
+    try:
+        tester.want(commits[1], ["tests/good.py"])
+        tester.want(commits[1], ["tests/bad.py"])
+        tester.run_wanted()
+        assert tester.outcome(commits[1], ["tests/good.py"]) == "pass"
+        assert tester.outcome(commits[1], ["tests/bad.py"]) == "fail"
+        assert tester.outcomes(commits[2], ["tests/good.py"]) == {"tests/good.py": "pass"}
+    finally:
+        tester.close()
+    assert runs == [["tests/good.py", "tests/bad.py"], ["tests/good.py"], ["tests/bad.py"], ["tests/good.py"]]
