@@ -1,7 +1,9 @@
-"""Create or refresh the CPU test environment (.venv-test) from the committed lock.
+"""Create or refresh the test environments named in ci/test-envs.toml, each from its committed lock.
 
-Kept outside the tool's package because it runs before anything is installed. The venv is
-rebuilt only when its inputs change (the lock, the torchvision shim, pyproject.toml, this file),
+    python3 scripts/test_env.py [NAME ...]     (default: the default environment, .venv-test)
+
+Kept outside the tool's package because it runs before anything is installed. A venv is rebuilt
+only when its inputs change (its lock, its shims, pyproject.toml, ci/test-envs.toml, this file),
 which a stamp file inside the venv records.
 """
 
@@ -12,19 +14,41 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 import venv
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCK = ROOT / "ci" / "requirements-test.lock"
-SHIM = ROOT / "ci" / "cpu-shims" / "torchvision_cpu_shim.py"
+TABLE = ROOT / "ci" / "test-envs.toml"
 STAMP = ".carry-test-env"
 
 
-def inputs_digest() -> str:
-    digest = hashlib.sha256()
-    files = [LOCK, ROOT / "pyproject.toml", SHIM, Path(__file__)]
-    for path in files:
+@dataclass(frozen=True)
+class TestEnv:
+    name: str
+    lock: Path
+    venv: Path
+    shims: tuple[Path, ...]
+
+
+def load_envs() -> tuple[str, dict[str, TestEnv]]:
+    data = tomllib.loads(TABLE.read_text())
+    envs = {
+        name: TestEnv(
+            name,
+            ROOT / spec["lock"],
+            ROOT / spec["venv"],
+            tuple(ROOT / shim for shim in spec.get("shims", [])),
+        )
+        for name, spec in data["envs"].items()
+    }
+    return data["default"], envs
+
+
+def inputs_digest(env: TestEnv) -> str:
+    digest = hashlib.sha256(env.name.encode() + b"\0")
+    for path in [env.lock, ROOT / "pyproject.toml", TABLE, *env.shims, Path(__file__)]:
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
@@ -33,8 +57,7 @@ def run(*args: str) -> None:
     subprocess.run(args, check=True)
 
 
-def site_packages(env: Path) -> Path:
-    python = env / "bin" / "python"
+def site_packages(python: Path) -> Path:
     out = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -44,30 +67,48 @@ def site_packages(env: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def main() -> int:
-    env = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / ".venv-test"
-    wanted = inputs_digest()
-    stamp = env / STAMP
+def build(env: TestEnv) -> None:
+    if env.venv.is_symlink():
+        # Someone else's environment, lent to this checkout: never rebuilt (or deleted) from here.
+        print(f"test-env: {env.venv.name} ({env.name}) is a link to {env.venv.resolve()}: left as it is")
+        return
+    wanted = inputs_digest(env)
+    stamp = env.venv / STAMP
     if stamp.exists() and stamp.read_text().strip() == wanted:
-        print(f"test-env: {env.name} is up to date")
-        return 0
+        print(f"test-env: {env.venv.name} ({env.name}) is up to date")
+        return
     started = time.monotonic()
-    source = LOCK.relative_to(ROOT)
-    print(f"test-env: building {env.name} from {source} (a few minutes on first run)", flush=True)
-    shutil.rmtree(env, ignore_errors=True)
-    venv.EnvBuilder(with_pip=True).create(env)
-    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-input"]
-    run(*pip, "--no-deps", "--requirement", str(LOCK))
+    source = env.lock.relative_to(ROOT)
+    print(f"test-env: building {env.venv.name} ({env.name}) from {source} (minutes on first run)", flush=True)
+    shutil.rmtree(env.venv, ignore_errors=True)
+    venv.EnvBuilder(with_pip=True).create(env.venv)
+    python = env.venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--no-input"]
+    run(*pip, "--no-deps", "--requirement", str(env.lock))
     run(*pip, "--no-deps", "--no-build-isolation", "--editable", str(ROOT))
-    # torchvision exists on PyPI only as a CUDA build; the shim lets it import beside the CPU
-    # torch (see the README's test environment section and the shim's docstring).
-    site = site_packages(env)
-    shutil.copyfile(SHIM, site / SHIM.name)
-    (site / "torchvision_cpu_shim.pth").write_text("import torchvision_cpu_shim\n")
+    # A shim is a module that a .pth file loads at startup: the torch 2.13.0 environment's lets
+    # PyPI's CUDA torchvision import beside the CPU torch (see the README's test environment
+    # section and the shim's docstring).
+    site = site_packages(python)
+    for shim in env.shims:
+        shutil.copyfile(shim, site / shim.name)
+        (site / f"{shim.stem}.pth").write_text(f"import {shim.stem}\n")
     stamp.write_text(wanted + "\n")
-    print(f"test-env: ready in {time.monotonic() - started:.0f} s", flush=True)
+    print(f"test-env: {env.venv.name} ready in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    default, envs = load_envs()
+    names = argv or [default]
+    unknown = [name for name in names if name not in envs]
+    if unknown:
+        known = ", ".join(sorted(envs))
+        print(f"test-env: error: unknown environment {', '.join(unknown)} (known: {known})", file=sys.stderr)
+        return 2
+    for name in names:
+        build(envs[name])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

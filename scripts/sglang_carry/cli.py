@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--python",
                 default=None,
-                help="interpreter with the test environment (default: .venv-test/bin/python)",
+                help="interpreter with the test environment (default: the line's own, see ci/test-envs.toml)",
             )
     _add_rebase_parser(commands)
     return parser

@@ -33,6 +33,11 @@ class Release:
     version: str
     git_tag: str
     files: tuple[PinnedFile, ...]
+    # The test environment (a name in ci/test-envs.toml; None: the default one) and when CI runs
+    # this line's upstream tests (None: every run for a package's default line, else nightly);
+    # see testenv.py.
+    test_env: str | None = None
+    ci: str | None = None
 
     @property
     def parsed_version(self) -> Version:
@@ -87,6 +92,19 @@ def _require(table: dict[str, object], key: str, where: str) -> str:
     return value
 
 
+CI_SCHEDULES = ("every", "nightly")
+
+
+def _optional(table: dict[str, object], key: str, where: str, allowed: tuple[str, ...] = ()) -> str | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or (allowed and value not in allowed):
+        wanted = " or ".join(f"'{a}'" for a in allowed) if allowed else "a non-empty string"
+        raise CarryError(f"{where}: '{key}' must be {wanted}")
+    return value
+
+
 def load_upstream(path: Path) -> Upstream:
     try:
         data = tomllib.loads(path.read_text())
@@ -116,7 +134,16 @@ def load_upstream(path: Path) -> Upstream:
             files.append(PinnedFile(_require(raw_file, "filename", where), sha256, url))
         if not files:
             raise CarryError(f"{where}: no files pinned")
-        releases.append(Release(name, version, _require(raw, "git_tag", where), tuple(files)))
+        releases.append(
+            Release(
+                name,
+                version,
+                _require(raw, "git_tag", where),
+                tuple(files),
+                test_env=_optional(raw, "test_env", where),
+                ci=_optional(raw, "ci", where, CI_SCHEDULES),
+            )
+        )
     return Upstream(name, subdir.strip("/"), tuple(releases))
 
 

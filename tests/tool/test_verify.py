@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from sglang_carry.errors import CarryError
+from sglang_carry.git import Git
 from sglang_carry.patching import export
 from sglang_carry.runner import Completed
-from sglang_carry.verify import verify, verify_target
+from sglang_carry.verify import TreeTester, junit_cases, selects, verify, verify_target
 
 from .conftest import DemoProject, git, patch_message
 
@@ -119,3 +120,183 @@ def test_two_verify_runs_at_once_on_one_checkout_are_both_correct(demo: DemoProj
     assert all(Path(path).is_relative_to(build) for path in trees | extension_dirs)
     assert git(demo.checkout, "worktree", "list").stdout.count("\n") == 1
     assert list((build / "verify" / "demo").iterdir()) == []
+
+
+class CountingRunner:
+    """The fixture's runner, recording the test ids of every pytest process."""
+
+    def __init__(self, demo: DemoProject) -> None:
+        self.demo = demo
+        self.pytest_runs: list[tuple[str, list[str]]] = []
+
+    def __call__(self, args: Sequence[str], **kwargs: Any) -> Completed:
+        if "pytest" in args:
+            ids = [arg for arg in args if arg.startswith("tests/")]
+            self.pytest_runs.append((kwargs["env"]["CARRY_TREE_DEMO"], ids))
+        return self.demo.pip(args, **kwargs)
+
+
+def two_fixes(demo: DemoProject) -> None:
+    write_tests(demo)
+    demo.fetch()
+    demo.commit_change(
+        CORE, "def answer():\n    return 42\n", patch_message("Fix", tests="tests/test_answer.py")
+    )
+    demo.commit_change(
+        "python/demo/__init__.py",
+        "VALUE = 2\n",
+        patch_message("Fix value", tests="tests/test_answer.py::test_answer tests/test_value.py"),
+    )
+
+
+def test_each_tree_runs_once_with_every_id_it_needs(demo: DemoProject) -> None:
+    two_fixes(demo)
+    export(demo.project, demo.target())
+    runner = CountingRunner(demo)
+    verdicts = verify_target(demo.project, demo.target(), sys.executable, runner)
+    assert [(v.without, v.with_patch) for v in verdicts] == [("fail", "pass"), ("pass", "fail")]
+    runs = sorted(sorted(ids) for _, ids in runner.pytest_runs)
+    assert runs == [
+        ["tests/test_answer.py"],  # pristine
+        ["tests/test_answer.py", "tests/test_answer.py::test_answer", "tests/test_value.py"],  # fix 1
+        ["tests/test_answer.py::test_answer", "tests/test_value.py"],  # fix 2
+    ]
+
+
+def make_tester(demo: DemoProject, runner: Any, parallel: int = 1) -> tuple[TreeTester, list[str]]:
+    git_ = Git(demo.checkout)
+    commits = [git_.out("rev-parse", "upstream/1.0"), *git_.commits("upstream/1.0", "HEAD")]
+    return TreeTester(demo.project, demo.target(), git_, sys.executable, runner, parallel), commits
+
+
+def test_outcomes_per_id_and_a_missing_id_spoils_only_its_own_group(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    two_fixes(demo)
+    runner = CountingRunner(demo)
+    tester, commits = make_tester(demo, runner)
+    try:
+        tester.want(commits[1], ["tests/test_answer.py", "tests/test_value.py::test_value"])
+        tester.want(commits[1], ["tests/test_value.py::test_nope"])
+        tester.run_wanted()
+        assert tester.outcomes(commits[1], ["tests/test_answer.py", "tests/test_value.py::test_value"]) == {
+            "tests/test_answer.py": "pass",
+            "tests/test_value.py::test_value": "pass",
+        }
+        assert tester.outcome(commits[1], ["tests/test_value.py::test_nope"]) == "error"
+        assert tester.outcome(commits[0], ["tests/test_answer.py", "tests/test_value.py"]) == "fail"
+        # A file given whole beside an id in it that does not exist: pytest runs the file, and
+        # the id that matched nothing is an error of its own.
+        assert tester.outcomes(commits[2], ["tests/test_value.py", "tests/test_value.py::test_nope"]) == {
+            "tests/test_value.py": "fail",
+            "tests/test_value.py::test_nope": "error",
+        }
+    finally:
+        tester.close()
+    # One run with the union, then one per group because pytest could not collect an id; then
+    # one run on the pristine tree and one on the second fix.
+    assert len(runner.pytest_runs) == 5
+    assert "verify: error at" in capsys.readouterr().err
+
+
+def test_a_crashed_pytest_is_an_error_and_is_said(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    two_fixes(demo)
+
+    def crashing(args: Sequence[str], **kwargs: Any) -> Completed:
+        if "pytest" in args:
+            return Completed(tuple(args), -11, "", "Fatal Python error: Segmentation fault")
+        return demo.pip(args, **kwargs)
+
+    tester, commits = make_tester(demo, crashing)
+    try:
+        assert tester.outcomes(commits[1], ["tests/test_answer.py"]) == {"tests/test_answer.py": "error"}
+    finally:
+        tester.close()
+    err = capsys.readouterr().err
+    assert "pytest exited -11" in err and "Segmentation fault" in err
+
+
+def test_a_slot_moved_to_the_next_commit_keeps_no_bytecode_of_a_changed_file(demo: DemoProject) -> None:
+    two_fixes(demo)
+    tester, commits = make_tester(demo, demo.pip)
+    try:
+        # 41 -> 42 keeps core.py's size: only its deleted bytecode makes the import see the fix,
+        # whatever the file times say.
+        assert tester.outcome(commits[0], ["tests/test_answer.py"]) == "fail"
+        (slot,) = tester.slots
+        cache = slot.path / "python" / "demo" / "__pycache__"
+        assert list(cache.glob("core.*.pyc"))
+        assert tester.outcome(commits[1], ["tests/test_answer.py"]) == "pass"
+        assert list(cache.glob("core.*.pyc")) and list(cache.glob("__init__.*.pyc"))
+        tester.tree(slot, commits[2])
+        assert not list(cache.glob("__init__.*.pyc")) and list(cache.glob("core.*.pyc"))
+    finally:
+        tester.close()
+
+
+def test_native_sources_key_follows_only_native_sources(demo: DemoProject) -> None:
+    two_fixes(demo)
+    demo.commit_change("python/demo/ext.cpp", "int f() { return 1; }\n", patch_message("Native"))
+    demo.commit_change("python/demo/x.py", "X = 1\n", patch_message("Python only"))
+    demo.commit_change("python/demo/ext.cpp", "int f() { return 2; }\n", patch_message("Native again"))
+    tester, commits = make_tester(demo, demo.pip)
+    try:
+        keys = [tester.native_sources_key(commit) for commit in commits]
+    finally:
+        tester.close()
+    assert keys[0] == keys[1] == keys[2] != keys[3] == keys[4] != keys[5]
+
+
+def test_junit_report_to_node_ids(tmp_path: Path) -> None:
+    report = tmp_path / "report.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.t" name="test_a[1]" file="tests/t.py" />'
+        '<testcase classname="tests.t" name="test_a[2]" file="tests/t.py"><failure message="x"/></testcase>'
+        '<testcase classname="tests.t.TestC" name="test_m" file="tests/t.py" />'
+        '<testcase classname="tests.t" name="test_s" file="tests/t.py"><skipped message="gpu"/></testcase>'
+        '<testcase classname="tests.t" name="test_e" file="tests/t.py"><error message="fixture"/></testcase>'
+        '<testcase classname="" name="tests.broken"><error message="collection failure"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert junit_cases(report) == {
+        "tests/t.py::test_a[1]": "pass",
+        "tests/t.py::test_a[2]": "fail",
+        "tests/t.py::TestC::test_m": "pass",
+        "tests/t.py::test_s": "pass",
+        "tests/t.py::test_e": "fail",
+    }
+    assert selects("tests/t.py::test_a", "tests/t.py::test_a[1]")
+    assert not selects("tests/t.py::test_a", "tests/t.py::test_ab")
+    assert selects("tests/", "tests/t.py::TestC::test_m")
+    assert selects("tests/t.py::TestC", "tests/t.py::TestC::test_m")
+    assert not selects("tests/t", "tests/t.py::test_s")
+    with pytest.raises(ValueError, match="no readable test report"):
+        junit_cases(tmp_path / "missing.xml")
+
+
+def test_without_a_report_the_exit_code_decides_per_group(demo: DemoProject) -> None:
+    two_fixes(demo)
+    passing = {"tests/good.py"}
+    runs: list[list[str]] = []
+
+    def exit_code_only(args: Sequence[str], **kwargs: Any) -> Completed:
+        if "pytest" in args:  # writes no report, like a stand-in for pytest
+            ids = list(args[list(args).index("no:cacheprovider") + 1 :])
+            runs.append(ids)
+            return Completed(tuple(args), 0 if set(ids) <= passing else 1, "", "")
+        return demo.pip(args, **kwargs)
+
+    tester, commits = make_tester(demo, exit_code_only)
+    try:
+        tester.want(commits[1], ["tests/good.py"])
+        tester.want(commits[1], ["tests/bad.py"])
+        tester.run_wanted()
+        assert tester.outcome(commits[1], ["tests/good.py"]) == "pass"
+        assert tester.outcome(commits[1], ["tests/bad.py"]) == "fail"
+        assert tester.outcomes(commits[2], ["tests/good.py"]) == {"tests/good.py": "pass"}
+    finally:
+        tester.close()
+    assert runs == [["tests/good.py", "tests/bad.py"], ["tests/good.py"], ["tests/bad.py"], ["tests/good.py"]]
