@@ -50,7 +50,8 @@ from .registry import (
 )
 from .runner import Runner, run_subprocess
 from .series import Entry, Series
-from .verify import ERROR, FAIL, PASS, TreeTester, Verdict, default_test_python, render_table, verify_target
+from .testenv import test_python
+from .verify import ERROR, FAIL, PASS, TreeTester, Verdict, render_table, verify_target
 
 STATE_FILE = "rebase.json"
 REPORT_FILE = "REBASE.md"
@@ -249,13 +250,14 @@ def rebase(
             "remove it to rebase again; nothing was changed"
         )
     pinned, pin_text = _pin(project, upstream, old.release, request, fetch)
+    python = request.python or test_python(project, pinned or upstream.release(request.new))
     head = git.run("symbolic-ref", "--quiet", "HEAD", check=False)
     state = State(
         name=upstream.name,
         old=old.version,
         new=request.new,
         keep=request.keep,
-        python=request.python or default_test_python(project),
+        python=python,
         command=command,
         pin_file=str(_pin_file(project, upstream.name)),
         pin_source=pin_text,
@@ -716,13 +718,15 @@ def _check(
         _copy_into_scratch(project, scratch, upstream.name, old, runner)
         scratch_upstream = scratch.pins()[upstream.name]
         pinned, pin_text = _pin(scratch, scratch_upstream, old.release, request, fetch)
+        # The environments live in the real checkout, not in the scratch copy.
+        python = request.python or test_python(project, pinned or scratch_upstream.release(request.new))
         git = Git(scratch.checkout(upstream.name), runner)
         state = State(
             name=upstream.name,
             old=old.version,
             new=request.new,
             keep=request.keep,
-            python=request.python or default_test_python(project),
+            python=python,
             command=f"carry rebase --check {request.new} {upstream.name} --upstream {old.version}",
             pin_file=str(_pin_file(scratch, upstream.name)),
             pin_source=pin_text.replace(str(base) + "/", ""),

@@ -181,12 +181,16 @@ def release_from_index(old: Release, version: str, files: Sequence[IndexFile], i
             )
         pinned.append(PinnedFile(match.filename, match.sha256, match.url if old_file.url else None))
     git_tag = old.git_tag.replace(old.version, version) if old.version in old.git_tag else f"v{version}"
-    return Release(old.name, version, git_tag, tuple(pinned))
+    # The new release starts in the old line's test environment; a release whose own pins need
+    # another one says so with test_env when the pin is reviewed.
+    return Release(old.name, version, git_tag, tuple(pinned), test_env=old.test_env)
 
 
 def render_release(release: Release) -> str:
     """A [[release]] table in the style of the committed pin files."""
     lines = ["", "[[release]]", f'version = "{release.version}"', f'git_tag = "{release.git_tag}"']
+    if release.test_env is not None:
+        lines.append(f'test_env = "{release.test_env}"')
     for pinned in release.files:
         lines += ["", "[[release.files]]", f'filename = "{pinned.filename}"', f'sha256 = "{pinned.sha256}"']
         if pinned.url:
