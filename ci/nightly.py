@@ -84,7 +84,9 @@ class Options:
     no_gpu: bool = False
     no_canary: bool = False
     only_versions: tuple[str, ...] = ()
+    # The interpreter for tests/gpu and the e2e test; "{version}" is replaced by the line's.
     gpu_python: str = ".venv-gpu/bin/python"
+    canary_only: bool = False
 
 
 def newest_release(project: str, fetch: FetchJson) -> str | None:
@@ -211,16 +213,21 @@ class Nightly:
             (self.out / folder).mkdir(parents=True, exist_ok=True)
         started = self.clock()
         carry = str(self.root / "scripts" / "carry")
-        self.cuda = self.detect_cuda()
-        self._step("project", "cpu-tests", [str(self.root / "scripts" / "test"), "-q", "tests/tool"])
         self.lines = self.maintained_lines()
-        for line in self.lines:
-            self.run_line(line, carry)
+        if self.options.canary_only:
+            self.cuda = "--canary-only"
+        else:
+            self.cuda = self.detect_cuda()
+            self._step("project", "cpu-tests", [str(self.root / "scripts" / "test"), "-q", "tests/tool"])
+            for line in self.lines:
+                self.run_line(line, carry)
         if self.options.no_canary:
             self.canary = {"status": SKIPPED, "reason": "--no-canary"}
         else:
             self.run_canary(carry)
         self.write_summary(self.clock() - started)
+        if self.canary.get("status") == FAIL and os.environ.get("GITHUB_ACTIONS") == "true":
+            print(f"::error title=canary::{self.canary['reason']}")  # an annotation on the run
         failed = any(r.status == FAIL for steps in self.results.values() for r in steps.values())
         return 1 if failed or self.canary.get("status") == FAIL else 0
 
@@ -266,7 +273,7 @@ class Nightly:
             self._skip(row, "gpu-tests", self.cuda)
             self._skip(row, "e2e", self.cuda)
             return
-        python = self.options.gpu_python
+        python = self.options.gpu_python.replace("{version}", line.version)
         gpu_json = self.out / "gpu" / f"{line.version}.json"
         self._step(
             row,
@@ -365,16 +372,23 @@ class Nightly:
         return "\n".join(out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, runner: Runner = run_subprocess, fetch: FetchJson = fetch_json
+) -> int:
     parser = argparse.ArgumentParser(prog="ci/nightly", description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU tests and the e2e test")
     parser.add_argument("--no-canary", action="store_true", help="do not query PyPI for a newer sglang")
     parser.add_argument("--out", type=Path, help="output folder (default build/nightly/<UTC timestamp>)")
     parser.add_argument("--lines", default="", help="only these versions, comma-separated")
+    parser.add_argument("--canary-only", action="store_true", help="only the canary (no line is run)")
+    parser.add_argument(
+        "--list-lines", action="store_true", help="print the maintained lines as a JSON list and exit"
+    )
     parser.add_argument(
         "--gpu-python",
         default=os.environ.get("CARRY_GPU_PYTHON", str(ROOT / ".venv-gpu" / "bin" / "python")),
-        help="interpreter with CUDA torch and sglang's requirements, for tests/gpu and the e2e test",
+        help="interpreter with CUDA torch and the line's sglang requirements (tests/gpu, e2e);"
+        " {version} is replaced by the line's version",
     )
     args = parser.parse_args(argv)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -384,8 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         no_canary=args.no_canary,
         only_versions=tuple(v for v in args.lines.split(",") if v),
         gpu_python=args.gpu_python,
+        canary_only=args.canary_only,
     )
-    nightly = Nightly(ROOT, options)
+    nightly = Nightly(ROOT, options, runner, fetch)
+    if args.list_lines:
+        lines = nightly.maintained_lines()
+        print(json.dumps([{"package": line.name, "version": line.version} for line in lines]))
+        return 0
     code = nightly.run()
     print((options.out / "summary.md").read_text())
     print(f"nightly: summary and artifacts in {options.out}")

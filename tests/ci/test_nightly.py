@@ -242,3 +242,36 @@ def test_without_a_gpu_the_reason_is_nvidia_smi(tmp_path: Path) -> None:
 )
 def test_newest_release(versions: tuple[str, ...], newest: str | None) -> None:
     assert nightly.newest_release("sglang", lambda url, headers: simple_index(*versions)) == newest
+
+
+def test_canary_only_runs_no_line(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.24"), canary_only=True)
+    assert code == 0
+    assert summary["lines"] == {}
+    assert summary["canary"]["status"] == "pass"
+    assert project.commands("build") == [] and project.commands("nvidia-smi") == []
+
+
+def test_gpu_python_per_line(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path, gpu=True)
+    run(
+        tmp_path,
+        project,
+        simple_index("0.5.20"),
+        no_canary=True,
+        gpu_python="/venvs/gpu-{version}/bin/python",
+    )
+    assert [argv[0] for argv in project.commands("tests/gpu")] == [
+        "/venvs/gpu-0.5.20/bin/python",
+        "/venvs/gpu-0.5.21/bin/python",
+    ]
+
+
+def test_list_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert nightly.main(["--list-lines"], runner=FakeProject(ROOT)) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {"package": "kvcached", "version": "0.1.6"},
+        {"package": "sglang", "version": "0.5.20"},
+        {"package": "sglang", "version": "0.5.21"},
+    ]
