@@ -63,3 +63,52 @@ def test_scripts_are_executable_valid_shell() -> None:
     assert "--system-site-packages" in text and "--no-index --no-deps" in text
     assert "CARRY_REQUIRE_GPU=1" in text
     assert (BARE / "README.md").is_file()
+
+
+STANDIN_CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import carry_standin
+assert "flashinfer" in carry_standin.install()
+import flashinfer
+from flashinfer.gemm import bmm_fp8  # a placeholder package and submodule
+class Derived(flashinfer.SomeBase):  # a placeholder can be a base class
+    pass
+import sgl_kernel
+from sgl_kernel import kvcacheio as io
+from sgl_kernel.flash_attn import flash_attn_varlen_func  # any name imports
+assert sgl_kernel.CARRY_STANDIN
+try:
+    flash_attn_varlen_func()
+except NotImplementedError as e:
+    assert "sgl_kernel.flash_attn.flash_attn_varlen_func" in str(e)
+else:
+    raise AssertionError("a placeholder ran")
+torch.manual_seed(0)
+layers, tokens, page, heads = 3, 16, 4, 2
+device = [torch.randn(tokens, heads) for _ in range(2 * layers)]  # k layers then v layers
+host = [torch.zeros(tokens // page, layers, page, heads) for _ in range(2)]  # page-first k, v
+src, dst = torch.tensor([1, 5, 6, 14]), torch.tensor([8, 2, 3, 12])
+io.transfer_kv_all_layer_direct_lf_pf(device, host, src, dst, page)
+for i, layer in enumerate(device):
+    d = dst
+    assert torch.equal(host[i // layers][d // page, i % layers, d % page], layer[src])
+back = [torch.zeros(tokens, heads) for _ in range(2)]
+io.transfer_kv_per_layer_direct_pf_lf(host, back, dst, src, 1, page)
+assert torch.equal(back[0][src], device[1][src]) and torch.equal(back[1][src], device[layers + 1][src])
+slots = [torch.zeros(6, 5)]
+io.transfer_kv_direct([torch.arange(30.0).view(6, 5)], slots, torch.tensor([4]), torch.tensor([1]), 1)
+assert torch.equal(slots[0][1], torch.arange(20.0, 25.0))
+print("standin ok")
+"""
+
+
+def test_sgl_kernel_standin_copies_round_trip() -> None:
+    """In a subprocess: the stand-in must never leak into this test session's imports."""
+    done = subprocess.run(
+        [sys.executable, "-c", STANDIN_CHECK, str(BARE / "standin")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "standin ok", done.stderr
