@@ -275,3 +275,10 @@ def test_list_lines(capsys: pytest.CaptureFixture[str]) -> None:
         {"package": "sglang", "version": "0.5.20"},
         {"package": "sglang", "version": "0.5.21"},
     ]
+
+
+def test_lines_option_runs_one_line_but_the_canary_sees_all(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    _, summary, _ = run(tmp_path, project, simple_index("0.5.24"), no_gpu=True, only_versions=("0.5.20",))
+    assert list(summary["lines"]) == ["project", "sglang 0.5.20"]
+    assert summary["canary"]["newest_line"] == "0.5.21"
