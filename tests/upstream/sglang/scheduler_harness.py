@@ -22,6 +22,9 @@ Fakes sit only at the hardware / I-O boundary:
   is swapped for upstream's own torch port `alloc_extend_naive` (what the NPU allocator runs).
 - `cudaHostRegister` of the HiCache host pools (page-locking) is a no-op; the buffers are real.
 - `Harness.arm_miss()` makes one real pool report a miss (its alloc returns None).
+- With `device="cuda"` (tests/gpu/) nothing of the above is faked but the model worker: the
+  pools live on the GPU, `device_module` is torch.cuda, and the real `L2TransferEngine` copies
+  host->device on its own stream; `Harness.device` then synchronizes the real device.
 - `FakeCacheLinker` can be set as `tree_cache.linker`: the external cache linker is I/O (it loads
   on its own thread from a remote store).
 
@@ -220,6 +223,17 @@ class FakeDeviceModule:
         """Let every copy in flight finish (what a real device does eventually)."""
         for event in self.events:
             event.done = True
+
+
+class CudaDevice:
+    """`Harness.device` for `device="cuda"`: the real device has no fake events to complete;
+    letting the copies in flight finish is a device synchronize."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []  # no fake events: spy_releases' pending list stays empty
+
+    def complete_all(self) -> None:
+        torch.cuda.synchronize()
 
 
 def _sizes(transfers: list[l2_transfer.L2Transfer]) -> str:
@@ -452,6 +466,14 @@ class HarnessConfig:
     # The KV allocator declares that its free space is decided per rank (`rank_local_capacity`),
     # as kvcached's elastic pools are: the ranks must then agree on every prefill round.
     elastic: bool = False
+    # "cuda": real pools, streams, events and copies on the GPU (no fake device; page_size 1,
+    # since the paged allocator's Triton kernel is swapped only on CPU).
+    device: str = "cpu"
+    # The Mamba2 state per slot (num_heads x head_dim x state_size): the GPU tests make it tens
+    # of MB so that loading it back takes milliseconds.
+    mamba_heads: int = 2
+    mamba_head_dim: int = 4
+    mamba_state_size: int = 4
 
 
 @dataclass
@@ -461,7 +483,7 @@ class Harness:
     tree_cache: UnifiedRadixCache
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool_allocator: Any
-    device: FakeDeviceModule
+    device: FakeDeviceModule | CudaDevice
     device_log: DeviceLog
     transfer_engine: FakeL2TransferEngine | None
     build_seconds: float
@@ -876,11 +898,11 @@ def _build_pools(cfg: HarnessConfig, model_config: ModelConfig) -> tuple[ReqToTo
         cache_params = Mamba2CacheParams(
             shape=Mamba2StateShape.create(
                 tp_world_size=cfg.tp_size,
-                intermediate_size=8,
+                intermediate_size=cfg.mamba_heads * cfg.mamba_head_dim,
                 n_groups=1,
-                num_heads=2,
-                head_dim=4,
-                state_size=4,
+                num_heads=cfg.mamba_heads,
+                head_dim=cfg.mamba_head_dim,
+                state_size=cfg.mamba_state_size,
                 conv_kernel=4,
             ),
             layers=[1],
@@ -890,7 +912,7 @@ def _build_pools(cfg: HarnessConfig, model_config: ModelConfig) -> tuple[ReqToTo
             mamba_size=cfg.mamba_slots,
             mamba_spec_state_size=cfg.req_rows,
             max_context_len=max_context_len,
-            device="cpu",
+            device=cfg.device,
             enable_memory_saver=False,
             cache_params=cache_params,
             mamba_layer_ids=[1],
@@ -904,12 +926,12 @@ def _build_pools(cfg: HarnessConfig, model_config: ModelConfig) -> tuple[ReqToTo
             head_num=KV_HEADS,
             head_dim=HEAD_DIM,
             full_attention_layer_ids=[0],
-            device="cpu",
+            device=cfg.device,
             mamba_pool=req_to_token_pool.mamba_pool,
         )
     else:
         req_to_token_pool = ReqToTokenPool(
-            size=cfg.req_rows, max_context_len=max_context_len, device="cpu", enable_memory_saver=False
+            size=cfg.req_rows, max_context_len=max_context_len, device=cfg.device, enable_memory_saver=False
         )
         kvcache = MHATokenToKVPool(
             size=cfg.kv_tokens,
@@ -918,19 +940,19 @@ def _build_pools(cfg: HarnessConfig, model_config: ModelConfig) -> tuple[ReqToTo
             head_num=KV_HEADS,
             head_dim=HEAD_DIM,
             layer_num=NUM_LAYERS,
-            device="cpu",
+            device=cfg.device,
             enable_memory_saver=False,
         )
     if cfg.page_size == 1:
         allocator: Any = TokenToKVPoolAllocator(
-            cfg.kv_tokens, dtype=torch.float32, device="cpu", kvcache=kvcache, need_sort=False
+            cfg.kv_tokens, dtype=torch.float32, device=cfg.device, kvcache=kvcache, need_sort=False
         )
     else:
         allocator = PagedTokenToKVPoolAllocator(
             cfg.kv_tokens,
             page_size=cfg.page_size,
             dtype=torch.float32,
-            device="cpu",
+            device=cfg.device,
             kvcache=kvcache,
             need_sort=False,
         )
@@ -945,6 +967,10 @@ def build_harness(cfg: HarnessConfig | None = None, **overrides: Any) -> Harness
     cfg = dataclasses.replace(cfg or HarnessConfig(), **overrides)
     if cfg.ping_pong and not cfg.mamba:
         raise ValueError("ping_pong needs mamba=True")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, not {cfg.device!r}")
+    if cfg.device == "cuda" and cfg.page_size != 1:
+        raise ValueError("device='cuda' runs page_size 1 (the paged Triton kernel is not set up)")
     t0 = time.perf_counter()
     stack = contextlib.ExitStack()
     try:
@@ -962,28 +988,37 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
     server_args = _publish(cfg, model_dir)
 
     log = DeviceLog()
-    device = FakeDeviceModule(log, auto_complete=cfg.auto_complete_events)
     engines: list[FakeL2TransferEngine] = []
+    device: FakeDeviceModule | CudaDevice
+    forward_stream: Any
+    if cfg.device == "cuda":
+        # The real device: torch.cuda events and streams, the real L2TransferEngine, real
+        # page-locked host pools.
+        device = CudaDevice()
+        forward_stream = torch.cuda.Stream()
+    else:
+        fake = device = FakeDeviceModule(log, auto_complete=cfg.auto_complete_events)
+        forward_stream = FakeStream(fake, "forward")
 
-    def make_engine(io_backend: str) -> FakeL2TransferEngine:
-        engines.append(FakeL2TransferEngine(device, io_backend))
-        return engines[-1]
+        def make_engine(io_backend: str) -> FakeL2TransferEngine:
+            engines.append(FakeL2TransferEngine(fake, io_backend))
+            return engines[-1]
 
-    # Patched for the harness's lifetime: LayerDoneCounter's events are made at construction
-    # (cache_controller.py:55-58), the rest when a transfer is submitted.
-    stack.enter_context(mock.patch.object(cache_controller, "device_module", device))
-    stack.enter_context(mock.patch.object(l2_transfer, "device_module", device))
-    stack.enter_context(mock.patch.object(cache_controller, "L2TransferEngine", make_engine))
-    stack.enter_context(mock.patch.object(paged_allocator, "alloc_extend_kernel", NaiveAllocExtendKernel()))
-    stack.enter_context(mock.patch.object(host_pool_common, "_cuda_host_register", _no_host_register))
+        # Patched for the harness's lifetime: LayerDoneCounter's events are made at construction
+        # (cache_controller.py:55-58), the rest when a transfer is submitted.
+        stack.enter_context(mock.patch.object(cache_controller, "device_module", fake))
+        stack.enter_context(mock.patch.object(l2_transfer, "device_module", fake))
+        stack.enter_context(mock.patch.object(cache_controller, "L2TransferEngine", make_engine))
+        stack.enter_context(
+            mock.patch.object(paged_allocator, "alloc_extend_kernel", NaiveAllocExtendKernel())
+        )
+        stack.enter_context(mock.patch.object(host_pool_common, "_cuda_host_register", _no_host_register))
 
     model_config = ModelConfig.from_server_args(server_args)  # what init_model_config does (:781)
     req_to_token_pool, allocator = _build_pools(cfg, model_config)
     if cfg.elastic:
         allocator.rank_local_capacity = True
-    worker = CpuModelWorker(
-        CpuModelRunner(attn_backend=object(), forward_stream=FakeStream(device, "forward"))
-    )
+    worker = CpuModelWorker(CpuModelRunner(attn_backend=object(), forward_stream=forward_stream))
 
     # kv_cache_builder.py:303-355: the params and the registry call build_kv_cache makes.
     params = CacheInitParams(
@@ -1018,7 +1053,7 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
     assert isinstance(tree_cache, UnifiedRadixCache), type(tree_cache)
     stack.callback(_shutdown_tree_cache, tree_cache)
 
-    if tree_cache.cache_controller is not None:
+    if tree_cache.cache_controller is not None and cfg.device == "cpu":
         _name_load_events(tree_cache.cache_controller.layer_done_counter)
     sched = _make_scheduler(cfg, server_args, model_config, worker, req_to_token_pool, allocator, tree_cache)
     return Harness(
@@ -1078,7 +1113,7 @@ def _make_scheduler(
     s.max_running_requests = cfg.req_rows  # :3844 PrefillAdder
     s.max_queued_requests = schedule.max_queued_requests  # :3261 _abort_on_queued_limit
     s.max_req_len = min(model_config.context_len - 1, allocator.size - 1)  # :2536
-    s.device = "cpu"  # :4060 (mixed chunk with spec only)
+    s.device = cfg.device  # :4060 (mixed chunk with spec only)
     s.min_free_slots_delayer = None  # :3780; resolve_min_free_slots(None, ...) is None (:1181)
     # -- parsed args (__init__ :467-512) ------------------------------------------------------
     s.page_size = schedule.page_size  # :3834 PrefillAdder; :2531, :2539

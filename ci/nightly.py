@@ -1,0 +1,416 @@
+"""The nightly: every maintained line built, proven on CPU and (where CUDA is present) on GPU,
+and a canary that tries the series on the newest sglang release.
+
+    ci/nightly [--no-gpu] [--out DIR] [--lines 0.5.20,...] [--no-canary]
+
+Maintained lines are the lines of `carry status --json` that have a series (or carry nothing on
+purpose). For each, in order: build (`./scripts/build NAME --upstream V`; the wheel's sha256 is
+recorded), verify (`carry verify`), cpu-tests (`carry apply` of that line, then pytest on
+tests/upstream/NAME against its tree), and for sglang, where a CUDA device is present,
+gpu-tests (tests/gpu with CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs
+ruff, mypy and the tool's tests once (./scripts/test tests/tool). Then the canary asks PyPI for
+the newest sglang release and, when it is newer than the newest sglang line,
+runs `carry rebase --check NEWEST sglang`, which names the first patch that stops applying.
+
+Everything lands in one folder (default build/nightly/<UTC timestamp>/): summary.md and
+summary.json (line x step -> pass/fail/skipped with the reason, durations, wheel sha256), logs/
+(one log per step), wheels/ (the built wheels and sdists), gpu/ and e2e/ results.
+Exit 0 when nothing failed (skips are not failures), 1 otherwise.
+
+Every command goes through an injectable Runner and the registry through an injectable fetcher,
+so tests/ci/test_nightly.py runs the whole flow offline with fakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from packaging.version import InvalidVersion, Version  # noqa: E402
+
+from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
+
+PYPI_SIMPLE = "https://pypi.org/simple/{name}/"
+PYPI_JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
+STEPS = ("build", "verify", "cpu-tests", "gpu-tests", "e2e")
+PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
+
+FetchJson = Callable[[str, Mapping[str, str]], Any]
+
+
+def fetch_json(url: str, headers: Mapping[str, str]) -> Any:
+    request = urllib.request.Request(url, headers=dict(headers))
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+@dataclass
+class StepResult:
+    status: str  # pass | fail | skipped
+    reason: str = ""
+    seconds: float = 0.0
+    log: str = ""  # path relative to the output folder
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Line:
+    name: str
+    version: str
+    test_env: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} {self.version}"
+
+
+@dataclass
+class Options:
+    out: Path
+    no_gpu: bool = False
+    no_canary: bool = False
+    only_versions: tuple[str, ...] = ()
+    # The interpreter for tests/gpu and the e2e test; "{version}" is replaced by the line's.
+    gpu_python: str = ".venv-gpu/bin/python"
+    canary_only: bool = False
+
+
+def newest_release(project: str, fetch: FetchJson) -> str | None:
+    """The newest final release on PyPI's simple JSON index (no pre-releases, nothing yanked)."""
+    index = fetch(PYPI_SIMPLE.format(name=project), {"Accept": PYPI_JSON_ACCEPT})
+    versions: set[Version] = set()
+    for entry in index.get("files", []):
+        if entry.get("yanked"):
+            continue
+        filename: str = entry.get("filename", "")
+        stem = filename.removesuffix(".tar.gz").removesuffix(".whl").removesuffix(".zip")
+        parts = stem.split("-")
+        if len(parts) < 2:
+            continue
+        try:
+            version = Version(parts[1])
+        except InvalidVersion:
+            continue
+        if not version.is_prerelease and not version.is_devrelease:
+            versions.add(version)
+    return str(max(versions)) if versions else None
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+class Nightly:
+    def __init__(
+        self,
+        root: Path,
+        options: Options,
+        runner: Runner = run_subprocess,
+        fetch: FetchJson = fetch_json,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = root
+        self.options = options
+        self.run_command = runner
+        self.fetch = fetch
+        self.clock = clock
+        self.out = options.out
+        self.results: dict[str, dict[str, StepResult]] = {}
+        self.wheels: dict[str, dict[str, str]] = {}
+        self.canary: dict[str, Any] = {}
+        self.cuda: str | None = None  # why there is no usable CUDA device, or None
+        self.lines: list[Line] = []
+
+    # ---- running one step -------------------------------------------------------------------
+    def _step(
+        self,
+        row: str,
+        step: str,
+        args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+    ) -> tuple[StepResult, Completed]:
+        log = Path("logs") / f"{row.replace(' ', '-')}-{step}.log"
+        started = self.clock()
+        done = self.run_command(list(args), cwd=self.root, env=env)
+        seconds = self.clock() - started
+        (self.out / log).write_text(
+            f"$ {' '.join(args)}\n(exit {done.returncode}, {seconds:.1f} s)\n\n"
+            f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+        )
+        if done.returncode == 0:
+            result = StepResult(PASS, seconds=seconds, log=str(log))
+        else:
+            why = last_line(done.stderr) or last_line(done.stdout) or "no output"
+            result = StepResult(FAIL, f"exit {done.returncode}: {why}", seconds, str(log))
+        self.results.setdefault(row, {})[step] = result
+        return result, done
+
+    def _skip(self, row: str, step: str, reason: str) -> None:
+        self.results.setdefault(row, {})[step] = StepResult(SKIPPED, reason)
+
+    # ---- the flow ---------------------------------------------------------------------------
+    def maintained_lines(self) -> list[Line]:
+        done = self.run_command([str(self.root / "scripts" / "carry"), "status", "--json"], cwd=self.root)
+        try:
+            status = json.loads(done.stdout)
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"nightly: error: `carry status --json` printed no JSON ({error})") from None
+        lines = []
+        for record in status.get("lines", []):
+            series = record.get("series") or {}
+            if series.get("state") not in ("recorded", "carries-nothing", "edited"):
+                continue
+            lines.append(Line(record["name"], record["version"], record.get("test_env")))
+        return lines
+
+    def detect_cuda(self) -> str | None:
+        if self.options.no_gpu:
+            return "--no-gpu"
+        try:
+            done = self.run_command(["nvidia-smi", "-L"], cwd=self.root)
+        except FileNotFoundError:
+            return "no CUDA device: nvidia-smi is not installed"
+        if done.returncode != 0 or "GPU" not in done.stdout:
+            return f"no CUDA device: nvidia-smi -L exit {done.returncode}"
+        return None
+
+    def test_python(self, line: Line) -> str:
+        """The CPU test environment of a line: .venv-test-<test_env> when the line names one and it
+        was built, else the project's .venv-test (which ./scripts/test builds)."""
+        if line.test_env:
+            candidate = self.root / f".venv-test-{line.test_env}" / "bin" / "python"
+            if candidate.exists():
+                return str(candidate)
+        return str(self.root / ".venv-test" / "bin" / "python")
+
+    def run(self) -> int:
+        for folder in ("logs", "wheels", "gpu", "e2e"):
+            (self.out / folder).mkdir(parents=True, exist_ok=True)
+        started = self.clock()
+        carry = str(self.root / "scripts" / "carry")
+        # The canary looks at every maintained line; --lines picks the ones run here.
+        self.lines = self.maintained_lines()
+        chosen = self.options.only_versions
+        run_here = [line for line in self.lines if not chosen or line.version in chosen]
+        if self.options.canary_only:
+            self.cuda = "--canary-only"
+        else:
+            self.cuda = self.detect_cuda()
+            self._step("project", "cpu-tests", [str(self.root / "scripts" / "test"), "-q", "tests/tool"])
+            for line in run_here:
+                self.run_line(line, carry)
+        if self.options.no_canary:
+            self.canary = {"status": SKIPPED, "reason": "--no-canary"}
+        else:
+            self.run_canary(carry)
+        self.write_summary(self.clock() - started)
+        if self.canary.get("status") == FAIL and os.environ.get("GITHUB_ACTIONS") == "true":
+            print(f"::error title=canary::{self.canary['reason']}")  # an annotation on the run
+        failed = any(r.status == FAIL for steps in self.results.values() for r in steps.values())
+        return 1 if failed or self.canary.get("status") == FAIL else 0
+
+    def run_line(self, line: Line, carry: str) -> None:
+        row, versioned = line.key, [line.name, "--upstream", line.version]
+        build, done = self._step(row, "build", [str(self.root / "scripts" / "build"), *versioned])
+        if build.status == PASS:
+            built = self.root / last_line(done.stdout)
+            if built.is_file():
+                sha = sha256_of(built)
+                shutil.copy2(built, self.out / "wheels" / built.name)
+                self.wheels[row] = {"file": built.name, "sha256": sha}
+                build.details = dict(self.wheels[row])
+            else:
+                build.status, build.reason = (
+                    FAIL,
+                    f"the build printed no artifact path ({last_line(done.stdout)!r})",
+                )
+        self._step(row, "verify", [carry, "verify", *versioned])
+        applied, _ = self._step(row, "apply", [carry, "apply", *versioned])
+        if applied.status == PASS:
+            del self.results[row]["apply"]
+            self._step(
+                row,
+                "cpu-tests",
+                [
+                    self.test_python(line),
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"tests/upstream/{line.name}",
+                ],
+            )
+        else:
+            self.results[row]["cpu-tests"] = self.results[row].pop("apply")
+        if line.name != "sglang":
+            self._skip(row, "gpu-tests", f"no GPU tests for {line.name}")
+            self._skip(row, "e2e", f"no end-to-end test for {line.name}")
+            return
+        if self.cuda is not None:
+            self._skip(row, "gpu-tests", self.cuda)
+            self._skip(row, "e2e", self.cuda)
+            return
+        python = self.options.gpu_python.replace("{version}", line.version)
+        gpu_json = self.out / "gpu" / f"{line.version}.json"
+        self._step(
+            row,
+            "gpu-tests",
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+            env={"CARRY_REQUIRE_GPU": "1", "CARRY_GPU_RESULTS": str(gpu_json)},
+        )
+        if row not in self.wheels:
+            self._skip(row, "e2e", "no wheel was built")
+            return
+        e2e_out = self.out / "e2e" / line.version
+        self._step(
+            row,
+            "e2e",
+            [
+                python,
+                str(self.root / "ci" / "e2e" / "run_e2e.py"),
+                "--wheel",
+                str(self.out / "wheels" / self.wheels[row]["file"]),
+                "--out",
+                str(e2e_out),
+            ],
+        )
+
+    def run_canary(self, carry: str) -> None:
+        versions = [Version(line.version) for line in self.lines if line.name == "sglang"]
+        newest_line = str(max(versions)) if versions else None
+        try:
+            newest = newest_release("sglang", self.fetch)
+        except Exception as error:  # the registry is I/O: report it, do not crash the summary
+            self.canary = {"status": FAIL, "reason": f"PyPI query failed: {error}"}
+            return
+        self.canary = {"newest_release": newest, "newest_line": newest_line}
+        if newest is None or newest_line is None:
+            self.canary.update(status=SKIPPED, reason="no sglang release or no maintained sglang line")
+            return
+        if Version(newest) <= Version(newest_line):
+            self.canary.update(
+                status=SKIPPED, reason=f"sglang {newest} is not newer than the line {newest_line}"
+            )
+            return
+        probe = self.run_command([carry, "rebase", "--help"], cwd=self.root)
+        if probe.returncode != 0:
+            self.canary.update(status=SKIPPED, reason="this carry has no `rebase` command")
+            return
+        result, done = self._step(
+            "canary",
+            "rebase-check",
+            [carry, "rebase", "--check", newest, "sglang", "--upstream", newest_line],
+        )
+        del self.results["canary"]
+        self.canary.update(status=result.status, seconds=result.seconds, log=result.log)
+        if result.status == FAIL:
+            self.canary["reason"] = (
+                f"the series of {newest_line} does not carry onto sglang {newest}: "
+                f"{last_line(done.stderr) or last_line(done.stdout)}"
+            )
+        else:
+            self.canary["reason"] = f"the series of {newest_line} carries onto sglang {newest}"
+
+    # ---- the summary ------------------------------------------------------------------------
+    def write_summary(self, seconds: float) -> None:
+        summary = {
+            "seconds": round(seconds, 1),
+            "gpu": self.cuda or "present",
+            "lines": {row: {s: asdict(r) for s, r in steps.items()} for row, steps in self.results.items()},
+            "wheels": self.wheels,
+            "canary": self.canary,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.out / "summary.md").write_text(self.markdown(seconds))
+
+    def markdown(self, seconds: float) -> str:
+        def cell(result: StepResult | None) -> str:
+            if result is None:
+                return ""
+            text = result.status
+            if result.status != SKIPPED:
+                text += f" ({result.seconds:.0f} s)"
+            if result.reason:
+                text += f": {result.reason}"
+            return text.replace("|", "\\|")
+
+        out = [
+            f"# Nightly ({seconds:.0f} s; GPU: {self.cuda or 'present'})",
+            "",
+            "| line | " + " | ".join(STEPS) + " |",
+            "| --- |" + " --- |" * len(STEPS),
+        ]
+        for row, steps in self.results.items():
+            out.append(f"| {row} | " + " | ".join(cell(steps.get(step)) for step in STEPS) + " |")
+        out += ["", "| artifact | sha256 |", "| --- | --- |"]
+        out += [f"| {w['file']} | `{w['sha256']}` |" for w in self.wheels.values()]
+        canary = self.canary
+        out += ["", f"**Canary: {canary.get('status', '?').upper()}** — {canary.get('reason', '')}", ""]
+        return "\n".join(out)
+
+
+def main(
+    argv: Sequence[str] | None = None, runner: Runner = run_subprocess, fetch: FetchJson = fetch_json
+) -> int:
+    parser = argparse.ArgumentParser(prog="ci/nightly", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU tests and the e2e test")
+    parser.add_argument("--no-canary", action="store_true", help="do not query PyPI for a newer sglang")
+    parser.add_argument("--out", type=Path, help="output folder (default build/nightly/<UTC timestamp>)")
+    parser.add_argument("--lines", default="", help="only these versions, comma-separated")
+    parser.add_argument("--canary-only", action="store_true", help="only the canary (no line is run)")
+    parser.add_argument(
+        "--list-lines", action="store_true", help="print the maintained lines as a JSON list and exit"
+    )
+    parser.add_argument(
+        "--gpu-python",
+        default=os.environ.get("CARRY_GPU_PYTHON", str(ROOT / ".venv-gpu" / "bin" / "python")),
+        help="interpreter with CUDA torch and the line's sglang requirements (tests/gpu, e2e);"
+        " {version} is replaced by the line's version",
+    )
+    args = parser.parse_args(argv)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    options = Options(
+        out=(args.out or ROOT / "build" / "nightly" / stamp).resolve(),
+        no_gpu=args.no_gpu,
+        no_canary=args.no_canary,
+        only_versions=tuple(v for v in args.lines.split(",") if v),
+        gpu_python=args.gpu_python,
+        canary_only=args.canary_only,
+    )
+    nightly = Nightly(ROOT, options, runner, fetch)
+    if args.list_lines:
+        lines = nightly.maintained_lines()
+        print(json.dumps([{"package": line.name, "version": line.version} for line in lines]))
+        return 0
+    code = nightly.run()
+    print((options.out / "summary.md").read_text())
+    print(f"nightly: summary and artifacts in {options.out}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""A stand-in for `python -m sglang.launch_server` in the e2e driver's CPU tests.
+
+    fake_sglang_server.py PORT MODE [--child-pid-file F]
+
+Serves /health and /generate on 127.0.0.1 like sglang with --skip-tokenizer-init and
+--enable-cache-report: greedy "output_ids" derived from the input ids, meta_info with
+finish_reason, cached_tokens and cached_tokens_details.host (a prefix seen before counts as a host
+hit). It writes the counters the injection hook would (CARRY_E2E_COUNTERS_DIR), and per MODE:
+- control:  no miss;
+- pristine: the first request of the second wave "misses": it logs the allocation error and the
+  whole server exits (as sglang does when its scheduler dies);
+- survivor: misses, and survives without unwinding (a pristine sglang that fixed the bug);
+- patched:  misses, logs the unwind, answers everything;
+- skewed:   like patched, but its outputs differ from the control run's.
+With --child-pid-file it starts a child in its own process group (a scheduler) and records its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+PORT, MODE = int(sys.argv[1]), sys.argv[2]
+seen_prefixes: set[tuple[int, ...]] = set()
+counts = {"eligible_allocations": 0, "injected_misses": 0, "loads_started": 0}
+lock = threading.Lock()
+limit = int(os.environ.get("CARRY_E2E_MISS_LIMIT", "0"))
+
+
+def save_counters() -> None:
+    folder = os.environ.get("CARRY_E2E_COUNTERS_DIR")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{os.getpid()}.json").write_text(json.dumps(counts))
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _answer(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._answer(200 if self.path == "/health" else 404, {})
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ids: list[int] = request["input_ids"]
+        prefix = tuple(ids[:256])
+        with lock:
+            host_hit = prefix in seen_prefixes
+            seen_prefixes.add(prefix)
+            if host_hit:
+                counts["loads_started"] += 1
+                if counts["injected_misses"] < limit:
+                    counts["injected_misses"] += 1
+                    counts["eligible_allocations"] += 1
+                    missed = True
+                else:
+                    missed = False
+            else:
+                missed = False
+            save_counters()
+        if missed and MODE == "pristine":
+            log("Scheduler hit an exception: RuntimeError: Out of memory. Try to lower your batch size.")
+            os._exit(1)
+        if missed and MODE in ("patched", "skewed"):
+            log("Prefill allocation missed; unwound 1 batch(es) since the last report")
+        n = request["sampling_params"]["max_new_tokens"]
+        salt = 7 if MODE == "skewed" else 0
+        output = [(sum(ids) + salt + i) % 1000 for i in range(n)]
+        meta = {
+            "finish_reason": {"type": "length", "length": n},
+            "cached_tokens": 256 if host_hit else 0,
+            "cached_tokens_details": {"device": 0, "host": 256 if host_hit else 0},
+        }
+        self._answer(200, {"output_ids": output, "meta_info": meta})
+
+
+if "--child-pid-file" in sys.argv:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(sys.argv[sys.argv.index("--child-pid-file") + 1]).write_text(str(child.pid))
+log(f"fake server {MODE} on {PORT}")
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

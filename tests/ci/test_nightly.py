@@ -1,0 +1,284 @@
+"""ci/nightly.py end to end, offline: every command answered by a fake runner, PyPI by a fake."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_carry.runner import Completed
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("carry_nightly", ROOT / "ci" / "nightly.py")
+assert _spec is not None and _spec.loader is not None
+nightly = importlib.util.module_from_spec(_spec)
+sys.modules["carry_nightly"] = nightly
+_spec.loader.exec_module(nightly)
+
+STATUS = {
+    "ok": True,
+    "lines": [
+        {"name": "kvcached", "version": "0.1.6", "series": {"state": "recorded"}},
+        {"name": "sglang", "version": "0.5.20", "series": {"state": "recorded"}},
+        {"name": "sglang", "version": "0.5.21", "series": {"state": "recorded"}, "test_env": "t521"},
+        {"name": "sglang", "version": "0.5.22", "series": {"state": "absent"}},  # pinned, not ported
+    ],
+}
+
+
+def simple_index(*versions: str, yanked: Sequence[str] = ()) -> dict[str, Any]:
+    files = [{"filename": f"sglang-{v}-cp311-cp311-manylinux_2_34_x86_64.whl"} for v in versions]
+    files += [{"filename": f"sglang-{v}.tar.gz", "yanked": "broken"} for v in yanked]
+    return {"name": "sglang", "files": files}
+
+
+class FakeProject:
+    """Answers the commands the nightly runs; `fail` maps a step (a word of its command line,
+    e.g. 'verify') to (exit code, stderr)."""
+
+    def __init__(self, root: Path, gpu: bool = False, rebase: bool = True) -> None:
+        self.root = root
+        self.gpu = gpu
+        self.rebase = rebase
+        self.fail: dict[str, tuple[int, str]] = {}
+        self.calls: list[tuple[list[str], dict[str, str]]] = []
+
+    def __call__(
+        self,
+        args: Sequence[str],
+        *,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+        capture: bool = True,
+    ) -> Completed:
+        argv = list(args)
+        self.calls.append((argv, dict(env or {})))
+        tool = Path(argv[0]).name
+        words = set(argv)
+        for word, (code, stderr) in self.fail.items():
+            if word in words:
+                return Completed(tuple(argv), code, "", stderr)
+        if tool == "nvidia-smi":
+            if not self.gpu:
+                raise FileNotFoundError("nvidia-smi")
+            return Completed(tuple(argv), 0, "GPU 0: NVIDIA H200 (UUID: GPU-x)\n", "")
+        if tool == "carry" and argv[1:3] == ["status", "--json"]:
+            return Completed(tuple(argv), 0, json.dumps(STATUS), "")
+        if tool == "carry" and argv[1] == "rebase" and not self.rebase:
+            return Completed(tuple(argv), 2, "", "carry: error: invalid choice: 'rebase'")
+        if tool == "build":
+            name, version = argv[1], argv[3]
+            suffix = "tar.gz" if name == "kvcached" else "cp311-cp311-manylinux_2_34_x86_64.whl"
+            artifact = Path("dist") / f"{name}-{version}+carry.1-{suffix}"
+            (self.root / "dist").mkdir(exist_ok=True)
+            (self.root / artifact).write_bytes(f"{name} {version}".encode())
+            return Completed(tuple(argv), 0, f"{artifact}\n", "build: done\n")
+        return Completed(tuple(argv), 0, "ok\n", "")
+
+    def commands(self, word: str) -> list[list[str]]:
+        return [argv for argv, _ in self.calls if word in argv or Path(argv[0]).name == word]
+
+
+def run(
+    tmp_path: Path, project: FakeProject, index: dict[str, Any], **options: Any
+) -> tuple[int, dict[str, Any], str]:
+    out = tmp_path / "out"
+    fetched: list[tuple[str, dict[str, str]]] = []
+
+    def fetch(url: str, headers: Mapping[str, str]) -> Any:
+        fetched.append((url, dict(headers)))
+        return index
+
+    clock = iter(range(0, 10_000, 2))
+    runner = nightly.Nightly(
+        project.root,
+        nightly.Options(out=out, **options),
+        runner=project,
+        fetch=fetch,
+        clock=lambda: next(clock),
+    )
+    code = runner.run()
+    if not options.get("no_canary"):
+        assert fetched == [
+            ("https://pypi.org/simple/sglang/", {"Accept": "application/vnd.pypi.simple.v1+json"})
+        ]
+    return code, json.loads((out / "summary.json").read_text()), (out / "summary.md").read_text()
+
+
+def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    code, summary, markdown = run(tmp_path, project, simple_index("0.5.20", "0.5.21"), no_gpu=True)
+
+    assert code == 0, markdown
+    assert list(summary["lines"]) == ["project", "kvcached 0.1.6", "sglang 0.5.20", "sglang 0.5.21"]
+    line = summary["lines"]["sglang 0.5.20"]
+    assert {s: r["status"] for s, r in line.items()} == {
+        "build": "pass",
+        "verify": "pass",
+        "cpu-tests": "pass",
+        "gpu-tests": "skipped",
+        "e2e": "skipped",
+    }
+    assert line["gpu-tests"]["reason"] == "--no-gpu"
+    assert summary["lines"]["kvcached 0.1.6"]["gpu-tests"]["reason"] == "no GPU tests for kvcached"
+    wheel = summary["wheels"]["sglang 0.5.20"]
+    assert wheel["sha256"] == hashlib.sha256(b"sglang 0.5.20").hexdigest()
+    assert (tmp_path / "out" / "wheels" / wheel["file"]).is_file()
+    assert line["build"]["seconds"] == 2 and (tmp_path / "out" / line["verify"]["log"]).is_file()
+    # Every line is built and verified with its own --upstream; nvidia-smi is not even asked.
+    assert project.commands("verify")[-1][-2:] == ["--upstream", "0.5.21"]
+    assert project.commands("nvidia-smi") == []
+    # Each line's CPU tests run after applying that line, with its own test environment if built.
+    pytest_runs = [argv for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
+    assert [Path(argv[0]).parts[-3] for argv in pytest_runs] == [".venv-test", ".venv-test"]
+    assert summary["canary"]["status"] == "skipped"
+    assert "not newer" in summary["canary"]["reason"]
+    assert "| sglang 0.5.20 | pass (2 s) | pass (2 s) | pass (2 s) | skipped: --no-gpu |" in markdown
+
+
+def test_line_test_environment_is_used_when_built(tmp_path: Path) -> None:
+    python = tmp_path / ".venv-test-t521" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    project = FakeProject(tmp_path)
+    run(tmp_path, project, simple_index("0.5.21"), no_gpu=True)
+    runs = [argv[0] for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
+    assert runs == [str(tmp_path / ".venv-test" / "bin" / "python"), str(python)]
+
+
+def test_canary_fails_loudly_naming_the_patch(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    project.fail["--check"] = (1, "carry rebase: error: 0002-Scheduler-wait.patch does not apply onto 0.5.24")
+    index = simple_index("0.5.20", "0.5.24", "0.6.0rc1", yanked=["0.7.0"])
+    code, summary, markdown = run(tmp_path, project, index, no_gpu=True)
+
+    assert code == 1
+    [check] = project.commands("--check")
+    assert check[1:] == ["rebase", "--check", "0.5.24", "sglang", "--upstream", "0.5.21"]
+    canary = summary["canary"]
+    assert canary["status"] == "fail" and canary["newest_release"] == "0.5.24"
+    assert "0002-Scheduler-wait.patch" in canary["reason"]
+    assert "**Canary: FAIL**" in markdown and "0002-Scheduler-wait.patch" in markdown
+
+
+def test_canary_passes_when_the_series_carries(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.24"), no_gpu=True)
+    assert code == 0
+    assert summary["canary"]["status"] == "pass"
+    assert summary["canary"]["reason"] == "the series of 0.5.21 carries onto sglang 0.5.24"
+
+
+def test_canary_skipped_while_carry_has_no_rebase(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path, rebase=False)
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.24"), no_gpu=True)
+    assert code == 0
+    assert summary["canary"] == {
+        "newest_release": "0.5.24",
+        "newest_line": "0.5.21",
+        "status": "skipped",
+        "reason": "this carry has no `rebase` command",
+    }
+
+
+def test_registry_failure_is_reported_not_raised(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+
+    def fetch(url: str, headers: Mapping[str, str]) -> Any:
+        raise OSError("network is unreachable")
+
+    runner = nightly.Nightly(tmp_path, nightly.Options(out=tmp_path / "out", no_gpu=True), project, fetch)
+    assert runner.run() == 1
+    assert runner.canary == {"status": "fail", "reason": "PyPI query failed: network is unreachable"}
+
+
+def test_a_failing_step_fails_the_night_with_its_last_line(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    project.fail["verify"] = (1, "verify: 0001-x.patch: test passes without the patch\n")
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.20"), no_gpu=True)
+    assert code == 1
+    verdict = summary["lines"]["sglang 0.5.20"]["verify"]
+    assert verdict["status"] == "fail"
+    assert verdict["reason"] == "exit 1: verify: 0001-x.patch: test passes without the patch"
+    assert summary["lines"]["sglang 0.5.20"]["cpu-tests"]["status"] == "pass"  # the night goes on
+
+
+def test_with_a_gpu_the_gpu_tests_are_required_and_the_e2e_runs_on_the_built_wheel(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path, gpu=True)
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.20"), gpu_python="/opt/gpu/bin/python")
+    assert code == 0
+    gpu_runs = [(argv, env) for argv, env in project.calls if argv[-1] == "tests/gpu"]
+    assert len(gpu_runs) == 2  # one per sglang line
+    argv, env = gpu_runs[0]
+    assert argv[0] == "/opt/gpu/bin/python"
+    assert env["CARRY_REQUIRE_GPU"] == "1"
+    assert env["CARRY_GPU_RESULTS"] == str(tmp_path / "out" / "gpu" / "0.5.20.json")
+    [e2e, _] = [argv for argv in project.commands("--wheel")]
+    assert e2e[1] == str(ROOT / "ci" / "e2e" / "run_e2e.py") or e2e[1].endswith("ci/e2e/run_e2e.py")
+    assert Path(e2e[e2e.index("--wheel") + 1]).parent == tmp_path / "out" / "wheels"
+    assert summary["gpu"] == "present"
+    assert summary["lines"]["kvcached 0.1.6"]["e2e"]["status"] == "skipped"
+
+
+def test_without_a_gpu_the_reason_is_nvidia_smi(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path, gpu=False)
+    _, summary, _ = run(tmp_path, project, simple_index("0.5.20"))
+    assert (
+        summary["lines"]["sglang 0.5.20"]["gpu-tests"]["reason"]
+        == "no CUDA device: nvidia-smi is not installed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("versions", "newest"),
+    [(("0.5.20", "0.5.9", "0.5.21.post1"), "0.5.21.post1"), (("1.0.0rc2", "0.5.20"), "0.5.20"), ((), None)],
+)
+def test_newest_release(versions: tuple[str, ...], newest: str | None) -> None:
+    assert nightly.newest_release("sglang", lambda url, headers: simple_index(*versions)) == newest
+
+
+def test_canary_only_runs_no_line(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.24"), canary_only=True)
+    assert code == 0
+    assert summary["lines"] == {}
+    assert summary["canary"]["status"] == "pass"
+    assert project.commands("build") == [] and project.commands("nvidia-smi") == []
+
+
+def test_gpu_python_per_line(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path, gpu=True)
+    run(
+        tmp_path,
+        project,
+        simple_index("0.5.20"),
+        no_canary=True,
+        gpu_python="/venvs/gpu-{version}/bin/python",
+    )
+    assert [argv[0] for argv in project.commands("tests/gpu")] == [
+        "/venvs/gpu-0.5.20/bin/python",
+        "/venvs/gpu-0.5.21/bin/python",
+    ]
+
+
+def test_list_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert nightly.main(["--list-lines"], runner=FakeProject(ROOT)) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {"package": "kvcached", "version": "0.1.6"},
+        {"package": "sglang", "version": "0.5.20"},
+        {"package": "sglang", "version": "0.5.21"},
+    ]
+
+
+def test_lines_option_runs_one_line_but_the_canary_sees_all(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    _, summary, _ = run(tmp_path, project, simple_index("0.5.24"), no_gpu=True, only_versions=("0.5.20",))
+    assert list(summary["lines"]) == ["project", "sglang 0.5.20"]
+    assert summary["canary"]["newest_line"] == "0.5.21"
