@@ -261,14 +261,15 @@ class TreeTester:
         started = time.monotonic()
         tests = list(dict.fromkeys(test for group in groups for test in group))
         env = self.environment(slot, commit)
-        done = self._pytest(commit, tests, env, "all", whole=len(groups) == 1)
-        if done is None and len(groups) > 1:
-            print(
-                f"verify: {commit[:12]}: running each group of ids on its own to find the bad one", flush=True
-            )
-            for index, group in enumerate(groups):
-                one = self._pytest(commit, group, env, f"group-{index}", whole=True)
-                self._record(commit, one if one is not None else dict.fromkeys(group, ERROR))
+        done = self._pytest(commit, tests, env, "all", whole=len(tests) == 1)
+        if done is None and (len(groups) > 1 or len(tests) > 1):
+            # Split where the failure can hide: by group (an entry's ids) when there are several,
+            # else by id, so one bad id or one failing test spoils only its own part.
+            parts = groups if len(groups) > 1 else [[test] for test in tests]
+            print(f"verify: {commit[:12]}: running each of {len(parts)} parts on its own", flush=True)
+            for index, part in enumerate(parts):
+                one = self._pytest(commit, part, env, f"part-{index}", whole=True)
+                self._record(commit, one if one is not None else dict.fromkeys(part, ERROR))
         else:
             self._record(commit, done if done is not None else dict.fromkeys(tests, ERROR))
         seconds = time.monotonic() - started
@@ -297,8 +298,8 @@ class TreeTester:
         """Per-id outcomes of one pytest run, or None (said on stderr) when pytest did not get
         through its tests: it crashed, was interrupted or could not collect an id.
 
-        Without a readable report (a pytest that does not write one) the exit code still
-        speaks for every id when it is 0, and for a ``whole`` group when it is 1; otherwise None.
+        Without a readable report (a stand-in for pytest that writes none) the exit code still
+        speaks for every id when it is 0, and for a ``whole`` part when it is 1; otherwise None.
         """
         report = self.base / f"{commit[:12]}-{label}.xml"
         # The report options come before the ids, so the command still ends `-p no:cacheprovider IDS`.

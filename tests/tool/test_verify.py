@@ -297,6 +297,10 @@ def test_without_a_report_the_exit_code_decides_per_group(demo: DemoProject) -> 
         assert tester.outcome(commits[1], ["tests/good.py"]) == "pass"
         assert tester.outcome(commits[1], ["tests/bad.py"]) == "fail"
         assert tester.outcomes(commits[2], ["tests/good.py"]) == {"tests/good.py": "pass"}
+        # One group of two ids: split id by id.
+        both = ["tests/good.py", "tests/bad.py"]
+        assert tester.outcomes(commits[0], both) == {"tests/good.py": "pass", "tests/bad.py": "fail"}
     finally:
         tester.close()
-    assert runs == [["tests/good.py", "tests/bad.py"], ["tests/good.py"], ["tests/bad.py"], ["tests/good.py"]]
+    split = [["tests/good.py", "tests/bad.py"], ["tests/good.py"], ["tests/bad.py"]]
+    assert runs == [*split, ["tests/good.py"], *split]
