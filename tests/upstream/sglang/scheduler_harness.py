@@ -35,6 +35,7 @@ Line numbers in comments are for python/sglang/srt/managers/scheduler.py at 0.5.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import dataclasses
 import itertools
 import json
@@ -267,11 +268,15 @@ class FakeL2TransferEngine:
         self,
         transfers: list[l2_transfer.L2Transfer],
         *,
-        layer_num: int,
+        layer_num: int | None = None,
+        transfer_layer_id_max: int | None = None,
         start_event: FakeEvent | None = None,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> Any:
-        # Mirrors l2_transfer.py:74-113 with the per-layer copies left out.
+        # Mirrors l2_transfer.py:74-113 with the per-layer copies left out. The layer count is
+        # `layer_num` at 0.5.20, `transfer_layer_id_max` from 0.5.21 on.
+        layer_count = layer_num if layer_num is not None else transfer_layer_id_max
+        assert layer_count is not None, "submit_host_to_device without a layer count"
         start_event = self._start_event(start_event)
         ack_start, ack_finish = self._ack_events("h2d")
         with self._device.stream(self.host_to_device_stream):
@@ -279,7 +284,7 @@ class FakeL2TransferEngine:
             ack_start.record()
             self.submissions.append(("h2d", transfers))
             self._device.log.add("h2d", _sizes(transfers))
-            for layer_id in range(layer_num):
+            for layer_id in range(layer_count):
                 if on_layer_done is not None:
                     on_layer_done(layer_id)
             ack_finish.record()
@@ -546,6 +551,15 @@ class Harness:
         unlock, free the row and what the tree does not keep)."""
         req.finished_reason = FINISH_LENGTH(length=0)
         release_kv_cache(req, self.tree_cache)
+        self.flush_pending_backups()
+
+    def flush_pending_backups(self) -> None:
+        """0.5.21 on, write-through backups are queued and submitted once per step
+        (process_batch_result ends with tree_cache.flush_pending_backups()); 0.5.20 submits
+        them at once and has no such method."""
+        flush = getattr(self.tree_cache, "flush_pending_backups", None)
+        if flush is not None:
+            flush()
 
     def open_streaming_session(self, token_ids: list[int]) -> Session:
         """A streaming session whose first turn ran and finished, so its slot holds the turn's
@@ -748,6 +762,7 @@ class Harness:
             assert mamba_value is not None, "no Mamba slot for the prefix"
         key = RadixKey(token_ids=array("q", token_ids))
         self.tree_cache.insert(InsertParams(key=key, value=indices, mamba_value=mamba_value))
+        self.flush_pending_backups()
 
     def put_prefix_on_host(self, token_ids: list[int]) -> None:
         """Leave `token_ids` in the tree on host only, the way HiCache gets there: insert device
@@ -843,30 +858,51 @@ class Harness:
 # --------------------------------------------------------------------------------------------
 def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
     """Publish the process-wide config bags the upstream code reads (get_memory(), ...)."""
-    server_args = ServerArgs(
-        model_path=str(model_dir),
-        device="cpu",
-        skip_tokenizer_init=True,
-        # torch_native: write_cache_indices / get_last_loc take their torch paths
-        # (mem_cache/allocation.py:68-71, 107-137) instead of Triton kernels.
-        attention_backend="torch_native",
-        page_size=cfg.page_size,
-        chunked_prefill_size=cfg.chunked_prefill_size,
-        max_prefill_tokens=cfg.max_prefill_tokens,
-        prefill_max_requests=cfg.prefill_max_requests,
-        max_running_requests=cfg.req_rows,
-        context_length=cfg.context_len,
-        disable_overlap_schedule=not cfg.enable_overlap,
-        enable_hierarchical_cache=cfg.hicache,
-        hicache_ratio=cfg.hicache_ratio,
-        # "direct" + "page_first_direct": the host pools' torch indexing paths, no CUDA kernels;
-        # MambaPoolHost accepts only page_first* layouts (pool_host/mamba.py:55-58).
-        hicache_io_backend="direct",
-        hicache_mem_layout="page_first_direct",
-        mamba_radix_cache_strategy="extra_buffer" if cfg.ping_pong else "no_buffer",
-        tp_size=cfg.tp_size,
-    )
-    runtime_context.publish(server_args, role="scheduler")
+    def make(strategy: str) -> ServerArgs:
+        return ServerArgs(
+            model_path=str(model_dir),
+            device="cpu",
+            skip_tokenizer_init=True,
+            # torch_native: write_cache_indices / get_last_loc take their torch paths
+            # (mem_cache/allocation.py:68-71, 107-137) instead of Triton kernels.
+            attention_backend="torch_native",
+            page_size=cfg.page_size,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            prefill_max_requests=cfg.prefill_max_requests,
+            max_running_requests=cfg.req_rows,
+            context_length=cfg.context_len,
+            disable_overlap_schedule=not cfg.enable_overlap,
+            enable_hierarchical_cache=cfg.hicache,
+            hicache_ratio=cfg.hicache_ratio,
+            # "direct" + "page_first_direct": the host pools' torch indexing paths, no CUDA kernels;
+            # MambaPoolHost accepts only page_first* layouts (pool_host/mamba.py:55-58).
+            hicache_io_backend="direct",
+            hicache_mem_layout="page_first_direct",
+            mamba_radix_cache_strategy=strategy,
+            tp_size=cfg.tp_size,
+        )
+    if not cfg.ping_pong:
+        server_args = make("no_buffer")
+        runtime_context.publish(server_args, role="scheduler")
+        return server_args
+    try:
+        server_args = make("extra_buffer")
+        runtime_context.publish(server_args, role="scheduler")
+    except (ValueError, AssertionError):
+        # 0.5.21 on, publishing validates the strategy against the model's architecture and
+        # the platform (model_hook.handle_mamba_radix_cache: a hybrid-Mamba arch, CUDA-like
+        # hardware). The harness's model is a Llama config with Mamba pools on a CPU, so it
+        # publishes no_buffer and then resolves the leaves extra_buffer resolves to.
+        server_args = make("no_buffer")
+        runtime_context.publish(server_args, role="scheduler")
+        runtime_context.get_context().override(
+            "harness ping-pong", mamba_radix_cache_strategy="extra_buffer"
+        )
+        mamba_bag = runtime_context.get_exec().mamba
+        if not mamba_bag.enable_mamba_extra_buffer:
+            # A derived leaf, computed at publish: set it as publish would have.
+            mamba_bag._set("enable_mamba_extra_buffer", True)
     return server_args
 
 
@@ -1049,6 +1085,32 @@ def _shutdown_tree_cache(tree_cache: UnifiedRadixCache) -> None:
         tree_cache.shutdown()
 
 
+def _kv_shard_widening(allocator: Any) -> int:
+    """What build_kv_cache sets from upstream's page_interleave_shard_size (0.5.21 on)."""
+    try:
+        from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
+    except ImportError:  # 0.5.20: no page interleaving, nothing reads it
+        return 1
+    return int(page_interleave_shard_size(allocator))
+
+
+def _construct(cls: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call an upstream constructor whose keyword parameters differ between the carried sglang
+    lines with those of `kwargs` it takes. A parameter it requires that `kwargs` lacks is a line
+    the harness does not know yet: fail naming it rather than guess."""
+    params = inspect.signature(cls).parameters
+    missing = [
+        name
+        for name, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        and name not in kwargs
+    ]
+    if missing:
+        raise TypeError(f"{cls.__name__} of this sglang line needs {missing}: extend the harness")
+    return cls(**{k: v for k, v in kwargs.items() if k in params})
+
+
 def _make_scheduler(
     cfg: HarnessConfig,
     server_args: ServerArgs,
@@ -1072,6 +1134,9 @@ def _make_scheduler(
     s.token_to_kv_pool_allocator = allocator  # :3836 PrefillAdder, :4000 init_new
     s.tree_cache = tree_cache  # :3835, :3872 buffer_pipeline, :3962, :4001, :4015 load
     s.is_hybrid_swa = False  # :3768
+    # 0.5.21 on: init_req_max_new_tokens reads these (build_kv_cache sets them from its result).
+    s.sliding_window_size = None
+    s.kv_shard_widening = _kv_shard_widening(allocator)
     # -- worker info (init_model_worker :1164-1177, from TpModelWorker.get_worker_info) -----
     s.max_total_num_tokens = allocator.size  # :2537 init_req_max_new_tokens
     s.max_prefill_tokens = schedule.max_prefill_tokens  # :3839 PrefillAdder
@@ -1088,6 +1153,7 @@ def _make_scheduler(
     s.enable_hierarchical_cache = memory.enable_hierarchical_cache  # :3942, :4012
     s.enable_unified_cache_external_linker = memory.enable_unified_cache_external_linker  # :3943, :4012
     s.enable_hicache_storage = memory.hicache_storage_backend is not None  # :3900, :3920, :3978
+    s.enable_lmcache = getattr(memory, "enable_lmcache", False)  # 0.5.21 on: _prefetch_kvcache
     s.enable_lora = runtime_context.get_lora().enable_lora  # :3856, :3875, :3936
     s.max_new_tokens_limit = None  # :2517 (SGLANG_MAX_NEW_TOKENS_LIMIT unset)
     s.schedule_policy = schedule.schedule_policy  # init_schedule_policy
@@ -1129,9 +1195,10 @@ def _make_scheduler(
         tree_cache=tree_cache,
         future_map=None,
     )
-    s.load_inquirer = SchedulerLoadInquirer(  # :4029 _get_num_pending_tokens()
+    s.load_inquirer = _construct(  # :4029 _get_num_pending_tokens()
+        SchedulerLoadInquirer,
         disaggregation_mode=s.disaggregation_mode,
-        ps=None,
+        ps=None,  # 0.5.20 only
         server_args=server_args,
         max_total_num_tokens=s.max_total_num_tokens,
         max_running_requests=s.max_running_requests,
@@ -1154,6 +1221,7 @@ def _make_scheduler(
         get_total_prefill_uncached_tokens=lambda: 0,
         get_total_prefill_busy_us=lambda: 0,
         get_decode_moment_totals=lambda: [0.0] * 6,
+        get_waiting_storage_span=getattr(tree_cache, "waiting_storage_span", None),  # 0.5.23 on
     )
     # -- distributed handles: not read by the pristine method; a patched unwind that agrees
     #    across TP ranks would use them (init_model_worker :1198-1201 sets them from the groups).
