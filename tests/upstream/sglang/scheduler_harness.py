@@ -302,6 +302,9 @@ class FakeCacheLinker:
     def __init__(self, start_index: int) -> None:
         self.start_index = start_index
         self.started = 0
+        # 0.5.22 on, prefix_device_indices appends the KV a linker loaded privately for a
+        # request; with no hits of its own this linker has none.
+        self.private_load_indices: dict[str, torch.Tensor] = {}
 
     def match(self, key: Any, req: Any, result: Any) -> Any:
         return result
@@ -421,6 +424,29 @@ def _no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int 
     call with nothing to do on CPU. The host buffer itself is allocated for real."""
 
 
+# A request's prefill span. Up to 0.5.21 it is `prefix_indices` and `extend_range` (start, end);
+# from 0.5.22 on `prefix_len` and `extend_end` (the extend starts at the prefix).
+def prefix_len(req: Req) -> int:
+    """Tokens of the request's matched (or already computed) prefix."""
+    if hasattr(req, "prefix_indices"):
+        return len(req.prefix_indices)
+    return int(req.prefix_len)
+
+
+def extend_start(req: Req) -> int:
+    """Where the request's scheduled extend starts."""
+    if hasattr(req, "extend_range"):
+        return int(req.extend_range.start)
+    return int(req.prefix_len)
+
+
+def extend_end(req: Req) -> int:
+    """Where the request's scheduled extend ends."""
+    if hasattr(req, "extend_range"):
+        return int(req.extend_range.end)
+    return int(req.extend_end)
+
+
 def num_prefill_unwinds(h: Harness) -> int:
     """Prefill batches the scheduler put back (a class attribute of the patched Scheduler;
     pristine has none)."""
@@ -538,7 +564,7 @@ class Harness:
         self.device.complete_all()
         sched._process_hicache_events()
         chunked = sched.chunked_req
-        if chunked is not None and chunked.extend_range.end > len(chunked.prefix_indices):
+        if chunked is not None and extend_end(chunked) > prefix_len(chunked):
             sched.stash_chunked_request(chunked)
         last, self.last_batch = self.last_batch, None
         if last is not None and any(req.finished() for req in last.reqs):
@@ -550,7 +576,12 @@ class Harness:
         reason, then the real `release_kv_cache` (cache_finished_req: insert into the tree,
         unlock, free the row and what the tree does not keep)."""
         req.finished_reason = FINISH_LENGTH(length=0)
-        release_kv_cache(req, self.tree_cache)
+        if "checkpoint" in inspect.signature(release_kv_cache).parameters:
+            # 0.5.22 on: a finished request's KV is kept in the tree (checkpoint=True), as
+            # process_batch_result_prefill does for a finished request.
+            release_kv_cache(req, self.tree_cache, checkpoint=True)
+        else:
+            release_kv_cache(req, self.tree_cache)
         self.flush_pending_backups()
 
     def flush_pending_backups(self) -> None:
@@ -576,7 +607,8 @@ class Harness:
         batch = self.run_round()
         assert batch is not None and batch.reqs == [first], "the first turn must run alone"
         self.finish_request(first)
-        assert self.tree_cache.session.has_slot(session.session_id)
+        # has_slot(), up to 0.5.21, is this lookup
+        assert session.session_id in self.tree_cache.session.slots
         return session
 
     def session_slot(self, session: Session) -> Any:
@@ -659,7 +691,8 @@ class Harness:
         problems found; empty when nothing leaked. Call it when idle: no request holds pool
         memory outside the tree or a session."""
         sched = self.scheduler
-        observer = SchedulerPoolStatsObserver(
+        observer = _construct(
+            SchedulerPoolStatsObserver,
             tree_cache=self.tree_cache,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             req_to_token_pool=self.req_to_token_pool,
@@ -674,7 +707,8 @@ class Harness:
             get_last_batch=lambda: None,
             get_running_batch=lambda: sched.running_batch,
         )
-        checker = SchedulerInvariantChecker(
+        checker = _construct(
+            SchedulerInvariantChecker,
             is_hybrid_swa=False,
             is_hybrid_ssm=self.cfg.mamba,
             disaggregation_mode=sched.disaggregation_mode,
@@ -778,7 +812,7 @@ class Harness:
         # that went (a later call would otherwise evict an older prefix instead).
         key = RadixKey(token_ids=array("q", token_ids))
         for _ in range(8):
-            if len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices) == 0:
+            if _device_match_len(cache.match_prefix(MatchPrefixParams(key=key))) == 0:
                 return
             cache.evict(EvictParams(num_tokens=len(token_ids), mamba_num=1 if self.cfg.mamba else 0))
         raise AssertionError("prefix still on device")
@@ -1036,14 +1070,15 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
         chunked_prefill_size=cfg.chunked_prefill_size,
     )
     tree_cache = create_tree_cache(
-        TreeCacheBuildContext(
+        _construct(
+            TreeCacheBuildContext,
             server_args=server_args,
             params=params,
             is_hybrid_swa=False,
             is_hybrid_ssm=cfg.mamba,
             enable_hierarchical_cache=cfg.hicache,
             disable_radix_cache=False,
-            effective_chunked_prefill_size=cfg.chunked_prefill_size,
+            effective_chunked_prefill_size=cfg.chunked_prefill_size,  # up to 0.5.21
             tp_worker=worker,
             model_config=model_config,
             tp_size=cfg.tp_size,
@@ -1083,6 +1118,14 @@ def _name_load_events(counter: cache_controller.LayerDoneCounter) -> None:
 def _shutdown_tree_cache(tree_cache: UnifiedRadixCache) -> None:
     if tree_cache.cache_controller is not None:
         tree_cache.shutdown()
+
+
+def _device_match_len(match: Any) -> int:
+    """Device-resident tokens of a MatchResult: `device_indices` up to 0.5.21,
+    `device_prefix_len` from 0.5.22 on."""
+    if hasattr(match, "device_prefix_len"):
+        return int(match.device_prefix_len)
+    return len(match.device_indices)
 
 
 def _kv_shard_widening(allocator: Any) -> int:
@@ -1170,6 +1213,7 @@ def _make_scheduler(
     s.processed_tokens_counter = 0  # :3808 calc_priority, :3206
     s.dynamic_chunk_sizer = None  # :3819 (maybe_init_dynamic_chunk_sizer: PP only)
     s.future_map = None  # :4062 (mixed chunk with spec only)
+    s.hisparse_coordinator = None  # 0.5.22 on: init_new's batch field (init_hisparse_coordinator)
     # -- real init_* methods that read only the above and the published config ------------
     s.init_chunked_prefill()  # chunked_prefill_size :3818, chunked_req :3774, is_mixed_chunk :3841
     s.init_diffusion_llm()  # dllm_config :3847
