@@ -1,4 +1,5 @@
-"""Drive the REAL sglang 0.5.20 `Scheduler._get_new_batch_prefill_raw` on CPU.
+"""Drive the REAL sglang `Scheduler._get_new_batch_prefill_raw` on CPU, on every carried line
+(0.5.20 to 0.5.23).
 
 `build_harness()` makes a `Scheduler` with `Scheduler.__new__` (its __init__ loads a model, binds
 ZMQ sockets and starts threads) and sets only the attributes that `_get_new_batch_prefill_raw`
@@ -29,14 +30,19 @@ Between rounds, `Harness.prepare_next_round()` does what the event loop does bef
 (HiCache event polling, caching the chunked request's last chunk, clearing batch_is_full once
 requests finished) and `finish_request()` releases a request as the result processor does.
 
+Where the upstream API differs between the lines, the harness feature-detects the imported tree
+(never its version number): constructor keywords are passed by signature (`_construct`), and a
+request's span is read through `prefix_len` / `extend_start` / `extend_end`. The tests' assertions
+are the same on every line.
+
 Line numbers in comments are for python/sglang/srt/managers/scheduler.py at 0.5.20 unless named.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import dataclasses
+import inspect
 import itertools
 import json
 import tempfile
@@ -892,6 +898,7 @@ class Harness:
 # --------------------------------------------------------------------------------------------
 def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
     """Publish the process-wide config bags the upstream code reads (get_memory(), ...)."""
+
     def make(strategy: str) -> ServerArgs:
         return ServerArgs(
             model_path=str(model_dir),
@@ -916,6 +923,7 @@ def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
             mamba_radix_cache_strategy=strategy,
             tp_size=cfg.tp_size,
         )
+
     if not cfg.ping_pong:
         server_args = make("no_buffer")
         runtime_context.publish(server_args, role="scheduler")
@@ -930,9 +938,7 @@ def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
         # publishes no_buffer and then resolves the leaves extra_buffer resolves to.
         server_args = make("no_buffer")
         runtime_context.publish(server_args, role="scheduler")
-        runtime_context.get_context().override(
-            "harness ping-pong", mamba_radix_cache_strategy="extra_buffer"
-        )
+        runtime_context.get_context().override("harness ping-pong", mamba_radix_cache_strategy="extra_buffer")
         mamba_bag = runtime_context.get_exec().mamba
         if not mamba_bag.enable_mamba_extra_buffer:
             # A derived leaf, computed at publish: set it as publish would have.
