@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
 
@@ -29,6 +30,10 @@ def _rank_main(
     rank: int, ranks: int, store: str, collective_timeout_s: float, body: Callable[[int], Any], results: Any
 ) -> None:
     try:
+        # The parent's OpenMP pool does not survive the fork: a parallel torch op in the child
+        # (sglang 0.5.23 zero-fills its KV buffers with one large torch.zeros per layer) would
+        # wait forever for its workers. The ranks run their ops inline instead.
+        torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{store}",

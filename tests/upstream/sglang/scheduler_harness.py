@@ -1,4 +1,5 @@
-"""Drive the REAL sglang 0.5.20 `Scheduler._get_new_batch_prefill_raw` on CPU.
+"""Drive the REAL sglang `Scheduler._get_new_batch_prefill_raw` on CPU, on every carried line
+(0.5.20 to 0.5.23).
 
 `build_harness()` makes a `Scheduler` with `Scheduler.__new__` (its __init__ loads a model, binds
 ZMQ sockets and starts threads) and sets only the attributes that `_get_new_batch_prefill_raw`
@@ -32,6 +33,11 @@ Between rounds, `Harness.prepare_next_round()` does what the event loop does bef
 (HiCache event polling, caching the chunked request's last chunk, clearing batch_is_full once
 requests finished) and `finish_request()` releases a request as the result processor does.
 
+Where the upstream API differs between the lines, the harness feature-detects the imported tree
+(never its version number): constructor keywords are passed by signature (`_construct`), and a
+request's span is read through `prefix_len` / `extend_start` / `extend_end`. The tests' assertions
+are the same on every line.
+
 Line numbers in comments are for python/sglang/srt/managers/scheduler.py at 0.5.20 unless named.
 """
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import json
 import tempfile
@@ -281,11 +288,15 @@ class FakeL2TransferEngine:
         self,
         transfers: list[l2_transfer.L2Transfer],
         *,
-        layer_num: int,
+        layer_num: int | None = None,
+        transfer_layer_id_max: int | None = None,
         start_event: FakeEvent | None = None,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> Any:
-        # Mirrors l2_transfer.py:74-113 with the per-layer copies left out.
+        # Mirrors l2_transfer.py:74-113 with the per-layer copies left out. The layer count is
+        # `layer_num` at 0.5.20, `transfer_layer_id_max` from 0.5.21 on.
+        layer_count = layer_num if layer_num is not None else transfer_layer_id_max
+        assert layer_count is not None, "submit_host_to_device without a layer count"
         start_event = self._start_event(start_event)
         ack_start, ack_finish = self._ack_events("h2d")
         with self._device.stream(self.host_to_device_stream):
@@ -293,7 +304,7 @@ class FakeL2TransferEngine:
             ack_start.record()
             self.submissions.append(("h2d", transfers))
             self._device.log.add("h2d", _sizes(transfers))
-            for layer_id in range(layer_num):
+            for layer_id in range(layer_count):
                 if on_layer_done is not None:
                     on_layer_done(layer_id)
             ack_finish.record()
@@ -311,6 +322,9 @@ class FakeCacheLinker:
     def __init__(self, start_index: int) -> None:
         self.start_index = start_index
         self.started = 0
+        # 0.5.22 on, prefix_device_indices appends the KV a linker loaded privately for a
+        # request; with no hits of its own this linker has none.
+        self.private_load_indices: dict[str, torch.Tensor] = {}
 
     def match(self, key: Any, req: Any, result: Any) -> Any:
         return result
@@ -428,6 +442,29 @@ class NaiveAllocExtendKernel:
 def _no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int | None = None) -> None:
     """cudaHostRegister (pool_host/common.py:128-238) page-locks host pools for DMA: a driver
     call with nothing to do on CPU. The host buffer itself is allocated for real."""
+
+
+# A request's prefill span. Up to 0.5.21 it is `prefix_indices` and `extend_range` (start, end);
+# from 0.5.22 on `prefix_len` and `extend_end` (the extend starts at the prefix).
+def prefix_len(req: Req) -> int:
+    """Tokens of the request's matched (or already computed) prefix."""
+    if hasattr(req, "prefix_indices"):
+        return len(req.prefix_indices)
+    return int(req.prefix_len)
+
+
+def extend_start(req: Req) -> int:
+    """Where the request's scheduled extend starts."""
+    if hasattr(req, "extend_range"):
+        return int(req.extend_range.start)
+    return int(req.prefix_len)
+
+
+def extend_end(req: Req) -> int:
+    """Where the request's scheduled extend ends."""
+    if hasattr(req, "extend_range"):
+        return int(req.extend_range.end)
+    return int(req.extend_end)
 
 
 def num_prefill_unwinds(h: Harness) -> int:
@@ -555,7 +592,7 @@ class Harness:
         self.device.complete_all()
         sched._process_hicache_events()
         chunked = sched.chunked_req
-        if chunked is not None and chunked.extend_range.end > len(chunked.prefix_indices):
+        if chunked is not None and extend_end(chunked) > prefix_len(chunked):
             sched.stash_chunked_request(chunked)
         last, self.last_batch = self.last_batch, None
         if last is not None and any(req.finished() for req in last.reqs):
@@ -567,7 +604,21 @@ class Harness:
         reason, then the real `release_kv_cache` (cache_finished_req: insert into the tree,
         unlock, free the row and what the tree does not keep)."""
         req.finished_reason = FINISH_LENGTH(length=0)
-        release_kv_cache(req, self.tree_cache)
+        if "checkpoint" in inspect.signature(release_kv_cache).parameters:
+            # 0.5.22 on: a finished request's KV is kept in the tree (checkpoint=True), as
+            # process_batch_result_prefill does for a finished request.
+            release_kv_cache(req, self.tree_cache, checkpoint=True)
+        else:
+            release_kv_cache(req, self.tree_cache)
+        self.flush_pending_backups()
+
+    def flush_pending_backups(self) -> None:
+        """0.5.21 on, write-through backups are queued and submitted once per step
+        (process_batch_result ends with tree_cache.flush_pending_backups()); 0.5.20 submits
+        them at once and has no such method."""
+        flush = getattr(self.tree_cache, "flush_pending_backups", None)
+        if flush is not None:
+            flush()
 
     def open_streaming_session(self, token_ids: list[int]) -> Session:
         """A streaming session whose first turn ran and finished, so its slot holds the turn's
@@ -584,7 +635,8 @@ class Harness:
         batch = self.run_round()
         assert batch is not None and batch.reqs == [first], "the first turn must run alone"
         self.finish_request(first)
-        assert self.tree_cache.session.has_slot(session.session_id)
+        # has_slot(), up to 0.5.21, is this lookup
+        assert session.session_id in self.tree_cache.session.slots
         return session
 
     def session_slot(self, session: Session) -> Any:
@@ -667,7 +719,8 @@ class Harness:
         problems found; empty when nothing leaked. Call it when idle: no request holds pool
         memory outside the tree or a session."""
         sched = self.scheduler
-        observer = SchedulerPoolStatsObserver(
+        observer = _construct(
+            SchedulerPoolStatsObserver,
             tree_cache=self.tree_cache,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             req_to_token_pool=self.req_to_token_pool,
@@ -682,7 +735,8 @@ class Harness:
             get_last_batch=lambda: None,
             get_running_batch=lambda: sched.running_batch,
         )
-        checker = SchedulerInvariantChecker(
+        checker = _construct(
+            SchedulerInvariantChecker,
             is_hybrid_swa=False,
             is_hybrid_ssm=self.cfg.mamba,
             disaggregation_mode=sched.disaggregation_mode,
@@ -770,6 +824,7 @@ class Harness:
             assert mamba_value is not None, "no Mamba slot for the prefix"
         key = RadixKey(token_ids=array("q", token_ids))
         self.tree_cache.insert(InsertParams(key=key, value=indices, mamba_value=mamba_value))
+        self.flush_pending_backups()
 
     def put_prefix_on_host(self, token_ids: list[int]) -> None:
         """Leave `token_ids` in the tree on host only, the way HiCache gets there: insert device
@@ -785,7 +840,7 @@ class Harness:
         # that went (a later call would otherwise evict an older prefix instead).
         key = RadixKey(token_ids=array("q", token_ids))
         for _ in range(8):
-            if len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices) == 0:
+            if _device_match_len(cache.match_prefix(MatchPrefixParams(key=key))) == 0:
                 return
             cache.evict(EvictParams(num_tokens=len(token_ids), mamba_num=1 if self.cfg.mamba else 0))
         raise AssertionError("prefix still on device")
@@ -865,30 +920,51 @@ class Harness:
 # --------------------------------------------------------------------------------------------
 def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
     """Publish the process-wide config bags the upstream code reads (get_memory(), ...)."""
-    server_args = ServerArgs(
-        model_path=str(model_dir),
-        device="cpu",
-        skip_tokenizer_init=True,
-        # torch_native: write_cache_indices / get_last_loc take their torch paths
-        # (mem_cache/allocation.py:68-71, 107-137) instead of Triton kernels.
-        attention_backend="torch_native",
-        page_size=cfg.page_size,
-        chunked_prefill_size=cfg.chunked_prefill_size,
-        max_prefill_tokens=cfg.max_prefill_tokens,
-        prefill_max_requests=cfg.prefill_max_requests,
-        max_running_requests=cfg.req_rows,
-        context_length=cfg.context_len,
-        disable_overlap_schedule=not cfg.enable_overlap,
-        enable_hierarchical_cache=cfg.hicache,
-        hicache_ratio=cfg.hicache_ratio,
-        # "direct" + "page_first_direct": the host pools' torch indexing paths, no CUDA kernels;
-        # MambaPoolHost accepts only page_first* layouts (pool_host/mamba.py:55-58).
-        hicache_io_backend="direct",
-        hicache_mem_layout="page_first_direct",
-        mamba_radix_cache_strategy="extra_buffer" if cfg.ping_pong else "no_buffer",
-        tp_size=cfg.tp_size,
-    )
-    runtime_context.publish(server_args, role="scheduler")
+
+    def make(strategy: str) -> ServerArgs:
+        return ServerArgs(
+            model_path=str(model_dir),
+            device="cpu",
+            skip_tokenizer_init=True,
+            # torch_native: write_cache_indices / get_last_loc take their torch paths
+            # (mem_cache/allocation.py:68-71, 107-137) instead of Triton kernels.
+            attention_backend="torch_native",
+            page_size=cfg.page_size,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            prefill_max_requests=cfg.prefill_max_requests,
+            max_running_requests=cfg.req_rows,
+            context_length=cfg.context_len,
+            disable_overlap_schedule=not cfg.enable_overlap,
+            enable_hierarchical_cache=cfg.hicache,
+            hicache_ratio=cfg.hicache_ratio,
+            # "direct" + "page_first_direct": the host pools' torch indexing paths, no CUDA kernels;
+            # MambaPoolHost accepts only page_first* layouts (pool_host/mamba.py:55-58).
+            hicache_io_backend="direct",
+            hicache_mem_layout="page_first_direct",
+            mamba_radix_cache_strategy=strategy,
+            tp_size=cfg.tp_size,
+        )
+
+    if not cfg.ping_pong:
+        server_args = make("no_buffer")
+        runtime_context.publish(server_args, role="scheduler")
+        return server_args
+    try:
+        server_args = make("extra_buffer")
+        runtime_context.publish(server_args, role="scheduler")
+    except (ValueError, AssertionError):
+        # 0.5.21 on, publishing validates the strategy against the model's architecture and
+        # the platform (model_hook.handle_mamba_radix_cache: a hybrid-Mamba arch, CUDA-like
+        # hardware). The harness's model is a Llama config with Mamba pools on a CPU, so it
+        # publishes no_buffer and then resolves the leaves extra_buffer resolves to.
+        server_args = make("no_buffer")
+        runtime_context.publish(server_args, role="scheduler")
+        runtime_context.get_context().override("harness ping-pong", mamba_radix_cache_strategy="extra_buffer")
+        mamba_bag = runtime_context.get_exec().mamba
+        if not mamba_bag.enable_mamba_extra_buffer:
+            # A derived leaf, computed at publish: set it as publish would have.
+            mamba_bag._set("enable_mamba_extra_buffer", True)
     return server_args
 
 
@@ -1035,14 +1111,15 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
         chunked_prefill_size=cfg.chunked_prefill_size,
     )
     tree_cache = create_tree_cache(
-        TreeCacheBuildContext(
+        _construct(
+            TreeCacheBuildContext,
             server_args=server_args,
             params=params,
             is_hybrid_swa=False,
             is_hybrid_ssm=cfg.mamba,
             enable_hierarchical_cache=cfg.hicache,
             disable_radix_cache=False,
-            effective_chunked_prefill_size=cfg.chunked_prefill_size,
+            effective_chunked_prefill_size=cfg.chunked_prefill_size,  # up to 0.5.21
             tp_worker=worker,
             model_config=model_config,
             tp_size=cfg.tp_size,
@@ -1084,6 +1161,40 @@ def _shutdown_tree_cache(tree_cache: UnifiedRadixCache) -> None:
         tree_cache.shutdown()
 
 
+def _device_match_len(match: Any) -> int:
+    """Device-resident tokens of a MatchResult: `device_indices` up to 0.5.21,
+    `device_prefix_len` from 0.5.22 on."""
+    if hasattr(match, "device_prefix_len"):
+        return int(match.device_prefix_len)
+    return len(match.device_indices)
+
+
+def _kv_shard_widening(allocator: Any) -> int:
+    """What build_kv_cache sets from upstream's page_interleave_shard_size (0.5.21 on)."""
+    try:
+        from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
+    except ImportError:  # 0.5.20: no page interleaving, nothing reads it
+        return 1
+    return int(page_interleave_shard_size(allocator))
+
+
+def _construct(cls: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call an upstream constructor whose keyword parameters differ between the carried sglang
+    lines with those of `kwargs` it takes. A parameter it requires that `kwargs` lacks is a line
+    the harness does not know yet: fail naming it rather than guess."""
+    params = inspect.signature(cls).parameters
+    missing = [
+        name
+        for name, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        and name not in kwargs
+    ]
+    if missing:
+        raise TypeError(f"{cls.__name__} of this sglang line needs {missing}: extend the harness")
+    return cls(**{k: v for k, v in kwargs.items() if k in params})
+
+
 def _make_scheduler(
     cfg: HarnessConfig,
     server_args: ServerArgs,
@@ -1107,6 +1218,9 @@ def _make_scheduler(
     s.token_to_kv_pool_allocator = allocator  # :3836 PrefillAdder, :4000 init_new
     s.tree_cache = tree_cache  # :3835, :3872 buffer_pipeline, :3962, :4001, :4015 load
     s.is_hybrid_swa = False  # :3768
+    # 0.5.21 on: init_req_max_new_tokens reads these (build_kv_cache sets them from its result).
+    s.sliding_window_size = None
+    s.kv_shard_widening = _kv_shard_widening(allocator)
     # -- worker info (init_model_worker :1164-1177, from TpModelWorker.get_worker_info) -----
     s.max_total_num_tokens = allocator.size  # :2537 init_req_max_new_tokens
     s.max_prefill_tokens = schedule.max_prefill_tokens  # :3839 PrefillAdder
@@ -1123,6 +1237,7 @@ def _make_scheduler(
     s.enable_hierarchical_cache = memory.enable_hierarchical_cache  # :3942, :4012
     s.enable_unified_cache_external_linker = memory.enable_unified_cache_external_linker  # :3943, :4012
     s.enable_hicache_storage = memory.hicache_storage_backend is not None  # :3900, :3920, :3978
+    s.enable_lmcache = getattr(memory, "enable_lmcache", False)  # 0.5.21 on: _prefetch_kvcache
     s.enable_lora = runtime_context.get_lora().enable_lora  # :3856, :3875, :3936
     s.max_new_tokens_limit = None  # :2517 (SGLANG_MAX_NEW_TOKENS_LIMIT unset)
     s.schedule_policy = schedule.schedule_policy  # init_schedule_policy
@@ -1139,6 +1254,7 @@ def _make_scheduler(
     s.processed_tokens_counter = 0  # :3808 calc_priority, :3206
     s.dynamic_chunk_sizer = None  # :3819 (maybe_init_dynamic_chunk_sizer: PP only)
     s.future_map = None  # :4062 (mixed chunk with spec only)
+    s.hisparse_coordinator = None  # 0.5.22 on: init_new's batch field (init_hisparse_coordinator)
     # -- real init_* methods that read only the above and the published config ------------
     s.init_chunked_prefill()  # chunked_prefill_size :3818, chunked_req :3774, is_mixed_chunk :3841
     s.init_diffusion_llm()  # dllm_config :3847
@@ -1164,9 +1280,10 @@ def _make_scheduler(
         tree_cache=tree_cache,
         future_map=None,
     )
-    s.load_inquirer = SchedulerLoadInquirer(  # :4029 _get_num_pending_tokens()
+    s.load_inquirer = _construct(  # :4029 _get_num_pending_tokens()
+        SchedulerLoadInquirer,
         disaggregation_mode=s.disaggregation_mode,
-        ps=None,
+        ps=None,  # 0.5.20 only
         server_args=server_args,
         max_total_num_tokens=s.max_total_num_tokens,
         max_running_requests=s.max_running_requests,
@@ -1189,6 +1306,7 @@ def _make_scheduler(
         get_total_prefill_uncached_tokens=lambda: 0,
         get_total_prefill_busy_us=lambda: 0,
         get_decode_moment_totals=lambda: [0.0] * 6,
+        get_waiting_storage_span=getattr(tree_cache, "waiting_storage_span", None),  # 0.5.23 on
     )
     # -- distributed handles: not read by the pristine method; a patched unwind that agrees
     #    across TP ranks would use them (init_model_worker :1198-1201 sets them from the groups).

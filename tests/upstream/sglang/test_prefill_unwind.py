@@ -154,7 +154,7 @@ def test_miss_unwinds_the_batch(case: SiteCase, caplog: pytest.LogCaptureFixture
         retry = h.run_round()
         assert retry is not None and retry.reqs == reqs[: ADMITTED // 2]
         assert sched.prefill_unwind_admit_cap is None
-        assert retry.reqs[0].prefix_indices.numel() == prefix_len  # the hit is still a hit
+        assert sh.prefix_len(retry.reqs[0]) == prefix_len  # the hit is still a hit
         for req in retry.reqs:
             h.finish_request(req)
         assert _drain(h) == [r.rid for r in reqs[ADMITTED // 2 :]] + [behind.rid]
@@ -229,7 +229,7 @@ def _chunked_state(h: sh.Harness, req: Req) -> ChunkedState:
         else kv.mamba_ping_pong_track_buffer.tolist(),
         inflight=req.inflight_middle_chunks,
         protected=h.tree_cache.protected_size(),
-        prefix_len=len(req.prefix_indices),
+        prefix_len=sh.prefix_len(req),
     )
 
 
@@ -240,7 +240,7 @@ def _start_chunked(h: sh.Harness, length: int) -> Req:
     first = h.run_round()
     assert first is not None and first.reqs == [long] and h.scheduler.chunked_req is long
     h.prepare_next_round()
-    assert len(long.prefix_indices) == CHUNK
+    assert sh.prefix_len(long) == CHUNK
     return long
 
 
@@ -274,7 +274,7 @@ def test_continuing_chunked_request_keeps_its_state(config: dict[str, Any], leng
         # The next round schedules the same chunk again, from the same prefix.
         retry = h.run_round()
         assert retry is not None and retry.reqs[0] is long
-        assert long.extend_range.start == CHUNK
+        assert sh.extend_start(long) == CHUNK
 
 
 @pytest.mark.parametrize("length", CHUNK_LENGTHS.values(), ids=CHUNK_LENGTHS.keys())
@@ -299,7 +299,7 @@ def test_bug_unwound_chunk_is_cached_by_the_next_loop_iteration(config: dict[str
         assert h.free_counts() == before
         retry = h.run_round()
         assert retry is not None and retry.reqs[0] is long
-        assert long.extend_range.start == CHUNK
+        assert sh.extend_start(long) == CHUNK
 
 
 def test_new_chunked_request_goes_back_to_the_queue() -> None:

@@ -66,7 +66,7 @@ def test_host_hit_starts_a_load(config: dict[str, Any]) -> None:
         assert batch is not None and batch.reqs == [hit, miss]
         assert batch.hicache_consumer_index >= 0
         slot = batch.hicache_consumer_index
-        assert len(hit.prefix_indices) == len(PREFIX)  # loaded back, not recomputed
+        assert sh.prefix_len(hit) == len(PREFIX)  # loaded back, not recomputed
         log = h.device_log
         layers = [f"load{slot}.layer{i}" for i in range(h.layer_done_counter.num_layers)]
         # start_loading (cache_controller.py:941-978): reuse check, start event, fence, copies.
