@@ -65,9 +65,11 @@ THREE_WAY = "3-way"  # git am --3way merged it
 EMPTY = "empty"  # its diff is already upstream: recorded Applied-Upstream
 CONFLICT = "conflict"  # git am --3way stopped (--check only: it is skipped and reported)
 RESOLVED = "resolved"  # stopped at a conflict; the user resolved it
+# --check only: it conflicts, and the port the existing new line records for it applies instead
+PORTED = "ported"
 FIXED_UPSTREAM = "upstream"  # its tests pass on the pristine new tree: recorded Applied-Upstream
 APPLIED_UPSTREAM = "applied-upstream"  # Applied-Upstream already on the old line
-CARRIED = frozenset({CLEAN, THREE_WAY, RESOLVED})
+CARRIED = frozenset({CLEAN, THREE_WAY, RESOLVED, PORTED})
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class State:
     next_index: int = 0
     stopped_at: str | None = None
     conflict_files: list[str] = field(default_factory=list)
+    # --check beside an existing new line: its series folder, whose ports resolve conflicts.
+    recorded_ports: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -459,6 +463,8 @@ def _replay_one(
         if not stop_at_conflict:
             git.run("am", "--abort")  # --check goes on with the next patch
             state.stopped_at = None
+            if _apply_recorded_port(git, state, entry):
+                result.outcome = PORTED
         _print_step(result)
         return result
     after = git.rev("HEAD")
@@ -480,6 +486,21 @@ def _replay_one(
             )
     _print_step(result)
     return result
+
+
+def _apply_recorded_port(git: Git, state: State, entry: Entry) -> bool:
+    """Whether the new line already in patches/ ports this entry (same file name) in a form that
+    applies where the old one conflicted; if so it is now committed."""
+    if state.recorded_ports is None:
+        return False
+    port = Path(state.recorded_ports) / entry.filename
+    if not port.is_file():
+        return False
+    am = git.run("am", "--3way", "--keep", "--committer-date-is-author-date", str(port), check=False)
+    if am.returncode != 0:
+        git.run("am", "--abort", check=False)
+        return False
+    return True
 
 
 def _print_step(result: PatchResult) -> None:
@@ -731,6 +752,14 @@ def _check(
             pin_file=str(_pin_file(scratch, upstream.name)),
             pin_source=pin_text.replace(str(base) + "/", ""),
         )
+        recorded = project.patches_dir / upstream.name / request.new
+        if recorded.is_dir():
+            state.recorded_ports = str(recorded)
+            print(
+                f"rebase: patches/{upstream.name}/{request.new} exists: a patch that conflicts is "
+                "tried in the form that line records",
+                flush=True,
+            )
         if pinned is not None:
             append_release(Path(state.pin_file), pinned)
         failing = _run(scratch, git, git.state_file(STATE_FILE), state, runner, stop_at_conflict=False)

@@ -23,6 +23,7 @@ OUTCOME_MEANING = {
     "clean": "applied as it was",
     "3-way": "applied by git's 3-way merge",
     "resolved": "conflicted; resolved by hand",
+    "ported": "conflicts; the port that the existing new line records applies (--check only)",
     "conflict": "does not apply: conflicts",
     "empty": "its diff is already upstream: recorded Applied-Upstream (no diff)",
     "upstream": "its tests pass on the pristine new tree: recorded Applied-Upstream (no diff)",
@@ -49,6 +50,8 @@ class PatchResult:
             return f"git's 3-way merge; {self.change}"
         if self.outcome == "resolved":
             return f"resolved by hand in {', '.join(self.resolved_files)}; {self.change}"
+        if self.outcome == "ported":
+            return f"conflicts in {', '.join(self.resolved_files)}; the recorded port applies"
         if self.outcome == "conflict":
             return f"conflicts in {', '.join(self.resolved_files) or '?'}"
         if self.outcome == "applied-upstream":

@@ -537,6 +537,30 @@ def test_check_after_the_rebase_and_beside_work_in_progress(
     assert fingerprint(demo) == before
 
 
+def test_check_after_a_rebase_with_a_conflict_takes_the_recorded_port(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Once the new line is committed, a patch that conflicted is checked in the form the line
+    # records; without that line the same check names the conflict.
+    rebasing = Rebasing(demo, core(("return 41", "return 40")))
+    before = fingerprint(demo)
+    with pytest.raises(CarryError, match=r"0001-Fix-the-answer.patch conflicts \(python/demo/core.py\)"):
+        rebasing.run(check=True)
+    assert fingerprint(demo) == before
+    with pytest.raises(CarryError):
+        rebasing.run()
+    (demo.checkout / CORE).write_text(core(("return 41", "return 42")))
+    git(demo.checkout, "add", CORE)
+    assert rebasing.resume() == 0
+    before = fingerprint(demo)
+    capsys.readouterr()
+    assert rebasing.run(check=True) == 0
+    out = capsys.readouterr().out
+    assert "patches/demo/1.2 exists: a patch that conflicts is tried in the form that line records" in out
+    assert outcomes(out)[0] == ("0001-Fix-the-answer.patch", "ported")
+    assert fingerprint(demo) == before
+
+
 def test_check_latest(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
     rebasing = Rebasing(demo, OLD_CORE)
     capsys.readouterr()
