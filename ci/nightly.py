@@ -202,6 +202,12 @@ class Nightly:
         was built, else the project's .venv-test (which ./scripts/test builds)."""
         if line.test_env:
             candidate = self.root / f".venv-test-{line.test_env}" / "bin" / "python"
+            if not candidate.exists() and (self.root / "scripts" / "test_env.py").exists():
+                # Built here (minutes, once; the workflow caches it) rather than testing the line
+                # against another release's pins.
+                self.run_command(
+                    ["python3", str(self.root / "scripts" / "test_env.py"), line.test_env], cwd=self.root
+                )
             if candidate.exists():
                 return str(candidate)
         return str(self.root / ".venv-test" / "bin" / "python")

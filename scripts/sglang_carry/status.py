@@ -37,6 +37,8 @@ class LineStatus:
 def describe(project: Project, target: Target, runner: Runner) -> LineStatus:
     line = LineStatus(target)
     line.record.update(name=target.name, version=target.version, git_tag=target.release.git_tag)
+    # The test environment the line's tests run in (ci/test-envs.toml; null: the default one).
+    line.record["test_env"] = target.release.test_env
     line.lines.append(f"{target.label} (tag {target.release.git_tag})")
     _describe_download(project, target, line)
     series = _describe_series(project, target, runner, line)
