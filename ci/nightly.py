@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from packaging.version import InvalidVersion, Version  # noqa: E402
 
+from sglang_carry.fetch import sha256_of  # noqa: E402
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
 
 PYPI_SIMPLE = "https://pypi.org/simple/{name}/"
@@ -108,14 +108,6 @@ def newest_release(project: str, fetch: FetchJson) -> str | None:
         if not version.is_prerelease and not version.is_devrelease:
             versions.add(version)
     return str(max(versions)) if versions else None
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def last_line(text: str) -> str:
