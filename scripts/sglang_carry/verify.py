@@ -403,8 +403,3 @@ def verify(
         raise CarryError(f"{len(wrong)} of {len(rows)} series entries are not proven: see the table above")
     print(f"verify: all {len(rows)} series entries proven")
     return 0
-
-
-def default_test_python(project: Project) -> str:
-    candidate = project.root / ".venv-test" / "bin" / "python"
-    return str(candidate) if candidate.exists() else sys.executable
