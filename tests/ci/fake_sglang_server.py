@@ -37,7 +37,12 @@ def save_counters() -> None:
     folder = os.environ.get("CARRY_E2E_COUNTERS_DIR")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"{os.getpid()}.json").write_text(json.dumps(counts))
+        # As the real hook does: the driver may read the folder (and kill this process) at any
+        # moment, so it must never see a half-written file.
+        target = Path(folder) / f"{os.getpid()}.json"
+        temporary = target.with_suffix(".tmp")
+        temporary.write_text(json.dumps(counts))
+        temporary.replace(target)
 
 
 def log(line: str) -> None:
