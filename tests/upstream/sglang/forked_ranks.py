@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 
+# How long the other ranks may still report once one rank has failed.
+PEER_GRACE_S = 2.0
+
+
 class RankResults(NamedTuple):
     results: dict[int, Any]  # rank -> what the body returned
     errors: list[str]  # a rank's traceback, or the ranks that hung
@@ -79,14 +83,21 @@ def run_forked_ranks(
                 reported.add(rank)
                 if error is not None:
                     out.errors.append(f"rank {rank}:\n{error}")
+                    # The run has failed; its peers are most likely blocked in a collective
+                    # with the failed rank and would only report its timeout.
+                    deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
                 else:
                     out.results[rank] = result
         except queue.Empty:
-            hung = sorted(set(range(ranks)) - reported)
-            out.errors.append(f"rank(s) {hung} hung: no result within {timeout_s} s")
+            missing = sorted(set(range(ranks)) - reported)
+            if out.errors:
+                out.errors.append(f"rank(s) {missing} killed: no result {PEER_GRACE_S} s after a rank failed")
+            else:
+                out.errors.append(f"rank(s) {missing} hung: no result within {timeout_s} s")
         finally:
-            for proc in procs:
-                proc.join(timeout=10)
+            for rank, proc in enumerate(procs):
+                # A rank that reported is on its way out; one that did not is hung or blocked.
+                proc.join(timeout=10 if rank in reported else 0)
                 if proc.is_alive():
                     proc.kill()
                     proc.join()

@@ -55,7 +55,8 @@ HOST_SLOTS = 256
 TOKENS = array("q", range(1000, 1064))
 OTHER_TOKENS = array("q", range(2000, 2064))
 POLL_S = 0.002
-# Only reached when a test is failing: nothing in a passing run waits this long.
+# Only reached when a test is failing: nothing in a passing run waits this long. A wait ends
+# sooner, failed, once a storage thread has died, since nothing it owed will come.
 DEADLINE_S = 10.0
 # A two-rank scenario that has not reported by then hangs (it takes a few seconds).
 RANK_TIMEOUT_S = 60.0
@@ -314,16 +315,23 @@ class Harness:
         while not condition():
             if time.monotonic() > deadline:
                 pytest.fail(f"{self.kind}: timed out waiting for {what}")
+            dead = self.dead_threads()
             if drain:
                 self.drain()
+            if dead and not condition():
+                pytest.fail(f"{self.kind}: storage threads died ({dead}) while waiting for {what}")
             time.sleep(POLL_S)
 
     def run_until_done(self, req: Prefetch) -> float:
         """Run scheduler rounds until the prefetch ends; returns how long it was waited for."""
         deadline = time.monotonic() + DEADLINE_S
-        while not self.round(req):
-            if time.monotonic() > deadline:
-                dead = [name for name in STORAGE_THREADS if not getattr(self.controller, name).is_alive()]
+        while True:
+            # Read before the round: a thread that died after sending its last ACK has
+            # had that ACK drained by this round.
+            dead = self.dead_threads()
+            if self.round(req):
+                break
+            if dead or time.monotonic() > deadline:
                 pytest.fail(
                     f"{self.kind}: prefetch {req.handle.rid} did not finish "
                     f"(policy {self.cache.prefetch_stop_policy}; dead storage threads: {dead})"

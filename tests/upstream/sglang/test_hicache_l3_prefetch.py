@@ -287,6 +287,8 @@ def _run_sidecar_operation(h: Harness, rid: str) -> dict[str, Any]:
         try:
             ack = acks.get(timeout=0.1)
         except queue.Empty:
+            if h.dead_threads():
+                break  # every ACK the dead thread sent is drained: no more will come
             continue
         assert ack.operation is operation
         if ack.completed_tokens is not None:
