@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-
 # How long the other ranks may still report once one rank has failed.
 PEER_GRACE_S = 2.0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -493,3 +494,40 @@ def test_two_ranks_failing_backup_write_on_one_rank() -> None:
         "dead_threads": [],
     }
     assert ranks[1 - FAILING_RANK] == {**ranks[FAILING_RANK], "failed": 0, "written": 2 * pages}
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness: a wait gives up at once when a storage thread is dead
+# ---------------------------------------------------------------------------------------------
+
+
+def _a_dead_thread() -> threading.Thread:
+    thread = threading.Thread(target=lambda: None, name="dead")
+    thread.start()
+    thread.join()
+    return thread
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_waits_fail_at_once_on_a_dead_storage_thread(
+    make_harness: HarnessFactory, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No failure injected here leaves a thread dead on a fixed tree, so one is stood in for:
+    # the prefetch below never finishes (its query is held), and each wait must say why
+    # before its deadline.
+    h = make_harness(kind, "wait_complete")
+    h.store.query_gate.clear()
+    req = h.prefetch("r-held", TOKENS)
+    assert h.store.query_entered.wait(ph.DEADLINE_S), "the prefetch thread never ran the query"
+    backup_thread = h.controller.backup_thread
+    try:
+        h.controller.backup_thread = _a_dead_thread()
+        started = time.monotonic()
+        with pytest.raises(pytest.fail.Exception, match=r"dead storage threads: \['backup_thread'\]"):
+            h.run_until_done(req)
+        with pytest.raises(pytest.fail.Exception, match=r"storage threads died \(\['backup_thread'\]\)"):
+            h.wait_for(lambda: False, "nothing")
+        assert time.monotonic() - started < ph.DEADLINE_S, "a wait ran out its deadline"
+    finally:
+        h.controller.backup_thread = backup_thread
+    h.settle_late_query()
