@@ -8,9 +8,11 @@ purpose). For each, in order: build (`./scripts/build NAME --upstream V`; the wh
 recorded), verify (`carry verify`), cpu-tests (`carry apply` of that line, then pytest on
 tests/upstream/NAME against its tree), and for sglang, where a CUDA device is present,
 gpu-tests (tests/gpu with CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs
-ruff, mypy and the tool's tests once (./scripts/test tests/tool). Then the canary asks PyPI for
-the newest sglang release and, when it is newer than the newest sglang line,
-runs `carry rebase --check NEWEST sglang`, which names the first patch that stops applying.
+ruff, mypy and the tool's tests once (./scripts/test tests/tool). Then the canary asks the index
+`carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for the newest sglang release and, when it is
+newer than the newest sglang line, runs `carry rebase --check NEWEST sglang`, which names the
+first patch that stops applying. Each line's CPU tests run in its own test environment
+(ci/test-envs.toml), built first where it is missing.
 
 Everything lands in one folder (default build/nightly/<UTC timestamp>/): summary.md and
 summary.json (line x step -> pass/fail/skipped with the reason, durations, wheel sha256), logs/
@@ -30,7 +32,6 @@ import os
 import shutil
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,23 +40,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from packaging.version import InvalidVersion, Version  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
+from sglang_carry.errors import CarryError  # noqa: E402
 from sglang_carry.fetch import sha256_of  # noqa: E402
+from sglang_carry.project import Project  # noqa: E402
+from sglang_carry.registry import Fetcher, fetch_url, index_files, index_url, newest_version  # noqa: E402
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
+from sglang_carry.testenv import test_envs  # noqa: E402
 
-PYPI_SIMPLE = "https://pypi.org/simple/{name}/"
-PYPI_JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
 STEPS = ("build", "verify", "cpu-tests", "gpu-tests", "e2e")
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
-
-FetchJson = Callable[[str, Mapping[str, str]], Any]
-
-
-def fetch_json(url: str, headers: Mapping[str, str]) -> Any:
-    request = urllib.request.Request(url, headers=dict(headers))
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
 
 
 @dataclass
@@ -89,25 +84,11 @@ class Options:
     canary_only: bool = False
 
 
-def newest_release(project: str, fetch: FetchJson) -> str | None:
-    """The newest final release on PyPI's simple JSON index (no pre-releases, nothing yanked)."""
-    index = fetch(PYPI_SIMPLE.format(name=project), {"Accept": PYPI_JSON_ACCEPT})
-    versions: set[Version] = set()
-    for entry in index.get("files", []):
-        if entry.get("yanked"):
-            continue
-        filename: str = entry.get("filename", "")
-        stem = filename.removesuffix(".tar.gz").removesuffix(".whl").removesuffix(".zip")
-        parts = stem.split("-")
-        if len(parts) < 2:
-            continue
-        try:
-            version = Version(parts[1])
-        except InvalidVersion:
-            continue
-        if not version.is_prerelease and not version.is_devrelease:
-            versions.add(version)
-    return str(max(versions)) if versions else None
+def newest_release(project: str, fetch: Fetcher) -> str | None:
+    """The newest final release on the index `carry rebase` reads ($CARRY_INDEX_URL, else PyPI):
+    no pre-releases, nothing yanked."""
+    newest = newest_version(project, index_files(project, index_url(None), fetch))
+    return None if newest is None else str(newest)
 
 
 def last_line(text: str) -> str:
@@ -121,7 +102,7 @@ class Nightly:
         root: Path,
         options: Options,
         runner: Runner = run_subprocess,
-        fetch: FetchJson = fetch_json,
+        fetch: Fetcher = fetch_url,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = root
@@ -190,19 +171,18 @@ class Nightly:
         return None
 
     def test_python(self, line: Line) -> str:
-        """The CPU test environment of a line: .venv-test-<test_env> when the line names one and it
-        was built, else the project's .venv-test (which ./scripts/test builds)."""
-        if line.test_env:
-            candidate = self.root / f".venv-test-{line.test_env}" / "bin" / "python"
-            if not candidate.exists() and (self.root / "scripts" / "test_env.py").exists():
-                # Built here (minutes, once; the workflow caches it) rather than testing the line
-                # against another release's pins.
-                self.run_command(
-                    ["python3", str(self.root / "scripts" / "test_env.py"), line.test_env], cwd=self.root
-                )
-            if candidate.exists():
-                return str(candidate)
-        return str(self.root / ".venv-test" / "bin" / "python")
+        """The CPU test environment of a line (ci/test-envs.toml, as `carry verify` picks it),
+        built here when it is missing (minutes, once; the workflow caches it) rather than testing
+        the line against another release's pins. A CarryError when the line names no such
+        environment."""
+        default, envs = test_envs(Project(self.root))
+        name = line.test_env or default
+        if name not in envs:
+            raise CarryError(f"{line.key} names test_env '{name}', which ci/test-envs.toml does not define")
+        env = envs[name]
+        if not env.python.exists():
+            self.run_command(["python3", str(self.root / "scripts" / "test_env.py"), name], cwd=self.root)
+        return str(env.python)
 
     def run(self) -> int:
         for folder in ("logs", "wheels", "gpu", "e2e"):
@@ -247,23 +227,9 @@ class Nightly:
                 )
         self._step(row, "verify", [carry, "verify", *versioned])
         applied, _ = self._step(row, "apply", [carry, "apply", *versioned])
+        self.results[row]["cpu-tests"] = self.results[row].pop("apply")
         if applied.status == PASS:
-            del self.results[row]["apply"]
-            self._step(
-                row,
-                "cpu-tests",
-                [
-                    self.test_python(line),
-                    "-m",
-                    "pytest",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
-                    f"tests/upstream/{line.name}",
-                ],
-            )
-        else:
-            self.results[row]["cpu-tests"] = self.results[row].pop("apply")
+            self.run_cpu_tests(row, line)
         if line.name != "sglang":
             self._skip(row, "gpu-tests", f"no GPU tests for {line.name}")
             self._skip(row, "e2e", f"no end-to-end test for {line.name}")
@@ -297,13 +263,22 @@ class Nightly:
             ],
         )
 
+    def run_cpu_tests(self, row: str, line: Line) -> None:
+        try:
+            python = self.test_python(line)
+        except CarryError as error:
+            self.results[row]["cpu-tests"] = StepResult(FAIL, str(error))
+            return
+        pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/upstream/{line.name}"]
+        self._step(row, "cpu-tests", pytest)
+
     def run_canary(self, carry: str) -> None:
         versions = [Version(line.version) for line in self.lines if line.name == "sglang"]
         newest_line = str(max(versions)) if versions else None
         try:
             newest = newest_release("sglang", self.fetch)
         except Exception as error:  # the registry is I/O: report it, do not crash the summary
-            self.canary = {"status": FAIL, "reason": f"PyPI query failed: {error}"}
+            self.canary = {"status": FAIL, "reason": f"the package index query failed: {error}"}
             return
         self.canary = {"newest_release": newest, "newest_line": newest_line}
         if newest is None or newest_line is None:
@@ -372,11 +347,11 @@ class Nightly:
 
 
 def main(
-    argv: Sequence[str] | None = None, runner: Runner = run_subprocess, fetch: FetchJson = fetch_json
+    argv: Sequence[str] | None = None, runner: Runner = run_subprocess, fetch: Fetcher = fetch_url
 ) -> int:
     parser = argparse.ArgumentParser(prog="ci/nightly", description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU tests and the e2e test")
-    parser.add_argument("--no-canary", action="store_true", help="do not query PyPI for a newer sglang")
+    parser.add_argument("--no-canary", action="store_true", help="do not look for a newer sglang")
     parser.add_argument("--out", type=Path, help="output folder (default build/nightly/<UTC timestamp>)")
     parser.add_argument("--lines", default="", help="only these versions, comma-separated")
     parser.add_argument("--canary-only", action="store_true", help="only the canary (no line is run)")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from sglang_carry.errors import CarryError
 from sglang_carry.runner import Completed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,10 +33,27 @@ STATUS = {
 }
 
 
-def simple_index(*versions: str, yanked: Sequence[str] = ()) -> dict[str, Any]:
-    files = [{"filename": f"sglang-{v}-cp311-cp311-manylinux_2_34_x86_64.whl"} for v in versions]
-    files += [{"filename": f"sglang-{v}.tar.gz", "yanked": "broken"} for v in yanked]
-    return {"name": "sglang", "files": files}
+def simple_index(*versions: str, yanked: Sequence[str] = ()) -> bytes:
+    """A PEP 691 JSON page of sglang's files, as the index answers it."""
+
+    def entry(filename: str, **more: Any) -> dict[str, Any]:
+        digest = hashlib.sha256(filename.encode()).hexdigest()
+        return {"filename": filename, "url": f"../../files/{filename}", "hashes": {"sha256": digest}, **more}
+
+    files = [entry(f"sglang-{v}-cp311-cp311-manylinux_2_34_x86_64.whl") for v in versions]
+    files += [entry(f"sglang-{v}.tar.gz", yanked="broken") for v in yanked]
+    return json.dumps({"meta": {"api-version": "1.1"}, "name": "sglang", "files": files}).encode()
+
+
+TEST_ENVS = """\
+default = "torch2.13"
+[envs."torch2.13"]
+lock = "ci/requirements-test.lock"
+venv = ".venv-test"
+[envs.t521]
+lock = "ci/test-envs/t521.lock"
+venv = ".venv-test-t521"
+"""
 
 
 class FakeProject:
@@ -44,9 +62,12 @@ class FakeProject:
 
     def __init__(self, root: Path, gpu: bool = False, rebase: bool = True) -> None:
         self.root = root
+        (root / "ci").mkdir(exist_ok=True)
+        (root / "ci" / "test-envs.toml").write_text(TEST_ENVS)
         self.gpu = gpu
         self.rebase = rebase
         self.fail: dict[str, tuple[int, str]] = {}
+        self.status: dict[str, Any] = STATUS
         self.calls: list[tuple[list[str], dict[str, str]]] = []
 
     def __call__(
@@ -70,7 +91,7 @@ class FakeProject:
                 raise FileNotFoundError("nvidia-smi")
             return Completed(tuple(argv), 0, "GPU 0: NVIDIA H200 (UUID: GPU-x)\n", "")
         if tool == "carry" and argv[1:3] == ["status", "--json"]:
-            return Completed(tuple(argv), 0, json.dumps(STATUS), "")
+            return Completed(tuple(argv), 0, json.dumps(self.status), "")
         if tool == "carry" and argv[1] == "rebase" and not self.rebase:
             return Completed(tuple(argv), 2, "", "carry: error: invalid choice: 'rebase'")
         if tool == "build":
@@ -82,18 +103,26 @@ class FakeProject:
             return Completed(tuple(argv), 0, f"{artifact}\n", "build: done\n")
         return Completed(tuple(argv), 0, "ok\n", "")
 
+    def calls_of(self, script: str) -> list[list[str]]:
+        return [argv for argv, _ in self.calls if any(Path(arg).name == script for arg in argv[:2])]
+
     def commands(self, word: str) -> list[list[str]]:
         return [argv for argv, _ in self.calls if word in argv or Path(argv[0]).name == word]
 
 
+@pytest.fixture(autouse=True)
+def _no_index_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CARRY_INDEX_URL", raising=False)
+
+
 def run(
-    tmp_path: Path, project: FakeProject, index: dict[str, Any], **options: Any
+    tmp_path: Path, project: FakeProject, index: bytes, **options: Any
 ) -> tuple[int, dict[str, Any], str]:
     out = tmp_path / "out"
-    fetched: list[tuple[str, dict[str, str]]] = []
+    fetched: list[str] = []
 
-    def fetch(url: str, headers: Mapping[str, str]) -> Any:
-        fetched.append((url, dict(headers)))
+    def fetch(url: str) -> bytes:
+        fetched.append(url)
         return index
 
     clock = iter(range(0, 10_000, 2))
@@ -106,9 +135,7 @@ def run(
     )
     code = runner.run()
     if not options.get("no_canary"):
-        assert fetched == [
-            ("https://pypi.org/simple/sglang/", {"Accept": "application/vnd.pypi.simple.v1+json"})
-        ]
+        assert fetched == ["https://pypi.org/simple/sglang/"]
     return code, json.loads((out / "summary.json").read_text()), (out / "summary.md").read_text()
 
 
@@ -135,9 +162,12 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     # Every line is built and verified with its own --upstream; nvidia-smi is not even asked.
     assert project.commands("verify")[-1][-2:] == ["--upstream", "0.5.21"]
     assert project.commands("nvidia-smi") == []
-    # Each line's CPU tests run after applying that line, with its own test environment if built.
+    # Each line's CPU tests run after applying that line, in its own test environment, which is
+    # built first where it is missing.
     pytest_runs = [argv for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
-    assert [Path(argv[0]).parts[-3] for argv in pytest_runs] == [".venv-test", ".venv-test"]
+    assert [Path(argv[0]).parts[-3] for argv in pytest_runs] == [".venv-test", ".venv-test-t521"]
+    builds = [argv[-1] for argv in project.calls_of("test_env.py")]
+    assert builds == ["torch2.13", "torch2.13", "t521"]  # kvcached 0.1.6, sglang 0.5.20, 0.5.21
     assert summary["canary"]["status"] == "skipped"
     assert "not newer" in summary["canary"]["reason"]
     assert "| sglang 0.5.20 | pass (2 s) | pass (2 s) | pass (2 s) | skipped: --no-gpu |" in markdown
@@ -151,6 +181,24 @@ def test_line_test_environment_is_used_when_built(tmp_path: Path) -> None:
     run(tmp_path, project, simple_index("0.5.21"), no_gpu=True)
     runs = [argv[0] for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
     assert runs == [str(tmp_path / ".venv-test" / "bin" / "python"), str(python)]
+    assert "t521" not in [argv[-1] for argv in project.calls_of("test_env.py")]
+
+
+def test_a_line_naming_an_unknown_test_environment_fails_its_cpu_tests(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    lines = [dict(line) for line in STATUS["lines"]]
+    lines[2]["test_env"] = "torch9"
+    project.status = {**STATUS, "lines": lines}
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.21"), no_gpu=True)
+    assert code == 1
+    assert summary["lines"]["sglang 0.5.21"]["cpu-tests"] == {
+        "status": "fail",
+        "reason": "sglang 0.5.21 names test_env 'torch9', which ci/test-envs.toml does not define",
+        "seconds": 0.0,
+        "log": "",
+        "details": {},
+    }
+    assert summary["lines"]["sglang 0.5.20"]["cpu-tests"]["status"] == "pass"
 
 
 def test_canary_fails_loudly_naming_the_patch(tmp_path: Path) -> None:
@@ -191,12 +239,16 @@ def test_canary_skipped_while_carry_has_no_rebase(tmp_path: Path) -> None:
 def test_registry_failure_is_reported_not_raised(tmp_path: Path) -> None:
     project = FakeProject(tmp_path)
 
-    def fetch(url: str, headers: Mapping[str, str]) -> Any:
-        raise OSError("network is unreachable")
+    def fetch(url: str) -> bytes:
+        raise CarryError(f"cannot read {url} (network is unreachable): check the network")
 
     runner = nightly.Nightly(tmp_path, nightly.Options(out=tmp_path / "out", no_gpu=True), project, fetch)
     assert runner.run() == 1
-    assert runner.canary == {"status": "fail", "reason": "PyPI query failed: network is unreachable"}
+    assert runner.canary == {
+        "status": "fail",
+        "reason": "the package index query failed: cannot read https://pypi.org/simple/sglang/ "
+        "(network is unreachable): check the network",
+    }
 
 
 def test_a_failing_step_fails_the_night_with_its_last_line(tmp_path: Path) -> None:
@@ -241,7 +293,19 @@ def test_without_a_gpu_the_reason_is_nvidia_smi(tmp_path: Path) -> None:
     [(("0.5.20", "0.5.9", "0.5.21.post1"), "0.5.21.post1"), (("1.0.0rc2", "0.5.20"), "0.5.20"), ((), None)],
 )
 def test_newest_release(versions: tuple[str, ...], newest: str | None) -> None:
-    assert nightly.newest_release("sglang", lambda url, headers: simple_index(*versions)) == newest
+    assert nightly.newest_release("sglang", lambda url: simple_index(*versions)) == newest
+
+
+def test_newest_release_reads_the_index_carry_rebase_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CARRY_INDEX_URL", "file:///srv/mirror/simple/")
+    fetched: list[str] = []
+
+    def fetch(url: str) -> bytes:
+        fetched.append(url)
+        return simple_index("0.5.24")
+
+    assert nightly.newest_release("sglang", fetch) == "0.5.24"
+    assert fetched == ["file:///srv/mirror/simple/sglang/"]
 
 
 def test_canary_only_runs_no_line(tmp_path: Path) -> None:
