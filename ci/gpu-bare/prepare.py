@@ -15,7 +15,6 @@ tracked files. Exit 1 if even the patched wheel does not fit.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import subprocess
@@ -25,16 +24,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from sglang_carry.fetch import sha256_of  # noqa: E402
+
 PLATFORMS = (
     "manylinux_2_34_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_17_x86_64",
     "manylinux2014_x86_64",
 )
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def requirements(path: Path) -> list[str]:
