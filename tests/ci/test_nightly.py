@@ -62,8 +62,10 @@ class FakeProject:
 
     def __init__(self, root: Path, gpu: bool = False, rebase: bool = True) -> None:
         self.root = root
-        (root / "ci").mkdir(exist_ok=True)
-        (root / "ci" / "test-envs.toml").write_text(TEST_ENVS)
+        table = root / "ci" / "test-envs.toml"
+        if not table.exists():  # a temporary project; never this checkout's own table
+            table.parent.mkdir(exist_ok=True)
+            table.write_text(TEST_ENVS)
         self.gpu = gpu
         self.rebase = rebase
         self.fail: dict[str, tuple[int, str]] = {}
