@@ -61,7 +61,8 @@ def run_forked_ranks(
     body: Callable[[int], Any], *, ranks: int, timeout_s: float, collective_timeout_s: float
 ) -> RankResults:
     """Run ``body(rank)`` on `ranks` forked processes of one gloo world, all within `timeout_s`
-    (a rank that has not answered by then is reported as hung and killed)."""
+    (a rank that has not answered by then is reported as hung and killed). Once one rank has
+    failed, the others have `PEER_GRACE_S` left to answer before they are killed."""
     assert not dist.is_initialized(), "fork the ranks from a process without a process group"
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
