@@ -105,11 +105,12 @@ class FakeProject:
             return Completed(tuple(argv), 0, f"{artifact}\n", "build: done\n")
         return Completed(tuple(argv), 0, "ok\n", "")
 
-    def calls_of(self, script: str) -> list[list[str]]:
-        return [argv for argv, _ in self.calls if any(Path(arg).name == script for arg in argv[:2])]
-
     def commands(self, word: str) -> list[list[str]]:
-        return [argv for argv, _ in self.calls if word in argv or Path(argv[0]).name == word]
+        """The calls with ``word`` among their arguments, or as the name of the program or of
+        the script it runs (`python3 .../test_env.py NAME`)."""
+        return [
+            argv for argv, _ in self.calls if word in argv or any(Path(arg).name == word for arg in argv[:2])
+        ]
 
 
 @pytest.fixture(autouse=True)
@@ -168,7 +169,7 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     # built first where it is missing.
     pytest_runs = [argv for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
     assert [Path(argv[0]).parts[-3] for argv in pytest_runs] == [".venv-test", ".venv-test-t521"]
-    builds = [argv[-1] for argv in project.calls_of("test_env.py")]
+    builds = [argv[-1] for argv in project.commands("test_env.py")]
     assert builds == ["torch2.13", "torch2.13", "t521"]  # kvcached 0.1.6, sglang 0.5.20, 0.5.21
     assert summary["canary"]["status"] == "skipped"
     assert "not newer" in summary["canary"]["reason"]
@@ -183,7 +184,7 @@ def test_line_test_environment_is_used_when_built(tmp_path: Path) -> None:
     run(tmp_path, project, simple_index("0.5.21"), no_gpu=True)
     runs = [argv[0] for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
     assert runs == [str(tmp_path / ".venv-test" / "bin" / "python"), str(python)]
-    assert "t521" not in [argv[-1] for argv in project.calls_of("test_env.py")]
+    assert "t521" not in [argv[-1] for argv in project.commands("test_env.py")]
 
 
 def test_a_line_naming_an_unknown_test_environment_fails_its_cpu_tests(tmp_path: Path) -> None:
