@@ -509,9 +509,7 @@ def _a_dead_thread() -> threading.Thread:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_waits_fail_at_once_on_a_dead_storage_thread(
-    make_harness: HarnessFactory, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_waits_fail_at_once_on_a_dead_storage_thread(make_harness: HarnessFactory, kind: str) -> None:
     # No failure injected here leaves a thread dead on a fixed tree, so one is stood in for:
     # the prefetch below never finishes (its query is held), and each wait must say why
     # before its deadline.
