@@ -1,27 +1,44 @@
-"""End-to-end: a real sglang server on one GPU, HiCache on, a KV miss injected during a load.
+"""End-to-end: a real sglang server, HiCache on, a KV miss injected while the batch's load is in
+flight; on one GPU (default) or on CPU, one rank and two.
 
     python ci/e2e/run_e2e.py --wheel dist/sglang-<V>+carry.<N>-*.whl --out build/e2e
         [--pristine-wheel upstream/.downloads/sglang-<V>-*.whl] [--models dense,hybrid]
+    python ci/e2e/run_e2e.py --device cpu [--upstream V] --out build/e2e-cpu [--runs ...]
 
-Run with the line's GPU environment (ci/gpu-env: the official wheel's requirements with the
-patched wheel installed). For each tiny model written here (no download: a dense Llama with
+GPU (run with the line's GPU environment, ci/gpu-env: the official wheel's requirements with the
+patched wheel installed): for each tiny model written here (no download: a dense Llama with
 seeded random weights in safetensors, and a hybrid Qwen3.5 (Gated DeltaNet + attention) served
-with --load-format dummy), three runs of `python -m sglang.launch_server` with
---skip-tokenizer-init, native HiCache (write-through), a tiny KV pool and no CUDA graphs:
+with --load-format dummy), the runs control, pristine and patched.
 
-- control: the patched wheel, no injection: every request finishes, host hits are seen;
-- pristine: the official wheel (installed into its own folder, first on PYTHONPATH), misses
-  injected: the scheduler dies with the allocation error. A pristine server that survives means
-  upstream fixed the bug: this is reported (and the series entry can be dropped), not failed;
-- patched: the patched wheel, misses injected: every request finishes, the unwind is logged, and
-  the greedy outputs equal the control run's.
+CPU (`--device cpu`, the dense model only: the hybrid one needs CPU kernels nobody ships): the
+line `--upstream V` (default: the newest line with a series) as cpu_line.py prepares it (the
+pristine wheel from the pin, the patched wheel built if missing, the series without its load
+wait), served by the line's test environment with SGLANG_USE_CPU_ENGINE=1 and the stand-ins of
+ci/e2e/cpu/ (sgl_kernel's CPU ops, the two HiCache copy kernels, plain host-pool memory, and
+HiCache's copy streams running their copies later on a worker, so a load is really in flight).
+The runs (`--runs`, default all): control, pristine, patched, without-load-wait, and the same
+first three with --tp-size 2 (tp2-control, tp2-pristine, tp2-patched), the miss on rank 1 only
+and the KV pool marked rank-local on every rank, as a kvcached elastic pool is.
 
-The miss is injected by hook/sitecustomize.py (CARRY_E2E_INJECT=1): the KV allocator returns
-None inside prepare_for_extend while the batch's HiCache load is in flight, as an elastic pool
-reports a miss. Traffic is bounded (rounds x prefix groups, each request with a timeout); the
-server runs in its own process group on 127.0.0.1 and is killed by its PID's group. Prints a
-table last; writes report.json, report.md and every server log to --out. Exit 0 when every run
-met its expectation (a surviving pristine run included), 1 otherwise.
+Every server runs `python -m sglang.launch_server` with --skip-tokenizer-init, native HiCache
+(write-through), a 1024-token KV pool and no CUDA graphs, under bounded traffic that fills the
+device pool, evicts to host and loads back. Expected:
+- control: no miss; every request finishes, host hits are seen;
+- pristine: misses injected; a scheduler dies of the allocation error (its own exception, recorded
+  by the hook in the scheduler process: raised in sglang's mem_cache). A pristine server that
+  survives means upstream fixed the bug: reported (drop the unwind entries), not failed;
+- patched: misses injected; every request finishes, every rank unwinds, the greedy outputs equal
+  the control run's (tp2-patched: tp2-control's);
+- without-load-wait (CPU): misses injected; every request finishes and the hazard shows: some
+  outputs differ from control's (how many is reported). Equal outputs fail: the wait went unseen.
+A run meant to inject that saw no miss fails. A run whose requests time out while its server is
+alive is a hang (requests are bounded by REQUEST_TIMEOUT_S, a run by RUN_TIMEOUT_S).
+
+The miss is injected by hook/sitecustomize.py: the KV allocator returns None inside the batch's
+allocation while its HiCache load is in flight, as an elastic pool reports a miss. The server runs
+in its own process group on 127.0.0.1 and is killed by its PID's group. Prints a table last;
+writes report.json, report.md and every server log to --out. Exit 0 when every run met its
+expectation (a surviving pristine run included), 1 otherwise, 2 when the line cannot be prepared.
 """
 
 from __future__ import annotations
@@ -33,10 +50,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,8 +65,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cpu_line  # beside this file
+from cpu_line import unpack_wheel
+
 ROOT = Path(__file__).resolve().parents[2]
 HOOK = Path(__file__).resolve().parent / "hook"
+CPU_STANDINS = Path(__file__).resolve().parent / "cpu"
 HOST = "127.0.0.1"
 
 # Bounded traffic: GROUPS distinct prefixes of PREFIX_TOKENS each (together several times the L1
@@ -61,10 +84,14 @@ MAX_NEW_TOKENS = 8
 CONCURRENCY = 4
 VOCAB = 1024
 REQUEST_TIMEOUT_S = 60
+RUN_TIMEOUT_S = 600
 MISS_LIMIT = 3
 STARTUP_TIMEOUT_S = 900
-UNWIND_LOG = re.compile(r"Prefill allocation missed; unwound")
-ALLOC_ERROR = re.compile(r"Out of memory|Prefill out of memory|alloc.*(failed|None)", re.IGNORECASE)
+UNWIND_LOG = re.compile(r"Prefill allocation (missed|diverged across ranks); unwound")
+# The pristine scheduler's own exception must come from sglang's KV allocation code.
+ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/")
+# CPU servers: sglang's CPU engine, its native attention (the x86 default needs AMX kernels).
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native"]
 
 DENSE_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -337,47 +364,107 @@ def generate(base_url: str, request: Request, timeout_s: float = REQUEST_TIMEOUT
     )
 
 
-def drive(base_url: str, waves: list[list[Request]], alive: Callable[[], bool]) -> list[Outcome]:
-    """Send every wave (CONCURRENCY at a time), stopping early once the server is gone."""
+def drive(
+    base_url: str,
+    waves: list[list[Request]],
+    alive: Callable[[], bool],
+    deadline: float | None = None,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
+) -> list[Outcome]:
+    """Send every wave (CONCURRENCY at a time), stopping early once the server is gone or the
+    run's deadline (time.monotonic()) has passed."""
     outcomes: list[Outcome] = []
     with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
         for wave in waves:
             if not alive():
                 outcomes += [Outcome(r.key, False, error="server gone") for r in wave]
                 continue
-            outcomes += list(pool.map(lambda r: generate(base_url, r), wave))
+            if deadline is not None and time.monotonic() >= deadline:
+                outcomes += [Outcome(r.key, False, error="run timed out") for r in wave]
+                continue
+            outcomes += list(pool.map(lambda r: generate(base_url, r, request_timeout_s), wave))
     return outcomes
+
+
+def timed_out(outcome: Outcome) -> bool:
+    return "timed out" in outcome.error
 
 
 # --------------------------------------------------------------------------------------------
 # One run and its verdict
 # --------------------------------------------------------------------------------------------
+CONTROL, PRISTINE, PATCHED, WITHOUT_LOAD_WAIT = "control", "pristine", "patched", "without-load-wait"
+INJECTING = (PRISTINE, PATCHED, WITHOUT_LOAD_WAIT)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One server run: what it serves (`site` first on PYTHONPATH, else the interpreter's own
+    sglang) and how it is broken (the kind)."""
+
+    name: str  # e.g. "patched", "tp2-control"
+    kind: str  # control | pristine | patched | without-load-wait
+    site: Path | None = None
+    tp: int = 1
+    # Where misses are injected (None: every rank) and whether the pool is marked rank-local.
+    miss_ranks: tuple[int, ...] | None = None
+    rank_local: bool = False
+
+    @property
+    def control_name(self) -> str:
+        return "control" if self.tp == 1 else f"tp{self.tp}-control"
+
+
 @dataclass
 class Run:
     model: str
-    kind: str  # control | pristine | patched
+    name: str
+    kind: str
+    tp: int = 1
     started: bool = False
     finished: int = 0
     failed: int = 0
+    hung: bool = False
     host_cached_tokens: int = 0
-    injected_misses: int = 0
+    # Per TP rank (JSON keys are the rank as text), from the hook's counters in each scheduler.
+    misses: dict[str, int] = field(default_factory=dict)
+    unwinds: dict[str, int] = field(default_factory=dict)
+    died_with: dict[str, str] = field(default_factory=dict)
     loads_started: int = 0
     unwinds_logged: int = 0
-    alloc_error_logged: bool = False
     server_died: bool = False
     outputs_equal_control: bool | None = None
+    outputs_differing: int | None = None
     verdict: str = ""
     ok: bool = False
     seconds: float = 0.0
+    peak_rss_mb: int = 0
     log: str = ""
 
+    @property
+    def injected_misses(self) -> int:
+        return sum(self.misses.values())
 
-def read_counters(folder: Path) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for path in sorted(folder.glob("*.json")):
-        for key, value in json.loads(path.read_text()).items():
-            total[key] = total.get(key, 0) + int(value)
-    return total
+
+def read_counters(folder: Path) -> list[dict[str, Any]]:
+    """The hook's counters, one record per process that wrote any."""
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+
+
+def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
+    for record in records:
+        rank = str(record.get("rank", 0))
+        run.misses[rank] = run.misses.get(rank, 0) + int(record.get("injected_misses", 0))
+        run.unwinds[rank] = run.unwinds.get(rank, 0) + int(record.get("unwinds", 0))
+        run.loads_started += int(record.get("loads_started", 0))
+        died = record.get("died_with")
+        if died:
+            run.died_with[rank] = f"{died['type']}: {died['message'].strip()} (raised in {died['raised_in']})"
+
+
+def died_of_allocation(run: Run) -> list[str]:
+    """The ranks whose scheduler's own exception was raised in sglang's allocation code."""
+    return sorted(rank for rank, error in run.died_with.items() if ALLOCATION_CODE.search(error))
 
 
 def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | None) -> None:
@@ -385,47 +472,101 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
     run.finished = sum(o.ok for o in outcomes)
     run.failed = len(outcomes) - run.finished
     run.host_cached_tokens = sum(o.host_cached for o in outcomes)
+    run.hung = run.hung or (not run.server_died and any(timed_out(o) for o in outcomes))
     everything = run.failed == 0 and run.started
     if control is not None and everything:
-        run.outputs_equal_control = all(o.output_ids == control.get(o.key) for o in outcomes)
-    if run.kind == "control":
-        run.ok = everything and run.host_cached_tokens > 0 and run.loads_started > 0
+        run.outputs_differing = sum(o.output_ids != control.get(o.key) for o in outcomes)
+        run.outputs_equal_control = run.outputs_differing == 0
+    every_rank = [str(rank) for rank in range(run.tp)]
+    unwound_everywhere = all(run.unwinds.get(rank, 0) > 0 for rank in every_rank)
+    if run.kind in INJECTING and run.started and run.injected_misses == 0:
+        run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
+    elif run.hung:
+        run.ok, run.verdict = (
+            False,
+            f"HANG: {sum(map(timed_out, outcomes))} request(s) timed out, server alive",
+        )
+    elif run.kind == CONTROL:
+        run.ok = everything and run.host_cached_tokens > 0 and run.loads_started > 0 and not run.died_with
         run.verdict = (
             "all requests finished, host hits seen"
             if run.ok
             else f"{run.failed} failed, host-cached tokens {run.host_cached_tokens},"
-            f" loads {run.loads_started}"
+            f" loads {run.loads_started}, died with {run.died_with or 'nothing'}"
         )
-    elif run.kind == "pristine":
-        if run.injected_misses == 0:
-            run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
-        elif run.server_died or run.failed:
-            run.ok = run.alloc_error_logged
+    elif run.kind == PRISTINE:
+        if run.server_died or run.failed or run.died_with:
+            ranks = died_of_allocation(run)
+            run.ok = bool(ranks)
             run.verdict = (
-                "the scheduler died with the allocation error (as expected)"
+                f"the scheduler died with the allocation error (as expected; rank {', '.join(ranks)})"
                 if run.ok
-                else "the server died, but without the allocation error in its log"
+                else "the server died, but no scheduler of the allocation error"
+                f" ({run.died_with or 'no error recorded'})"
             )
         else:
             run.ok = True
             run.verdict = "UPSTREAM FIXED IT: pristine survived the injected misses (drop the unwind entries)"
-    else:
-        run.ok = bool(
-            everything and run.injected_misses > 0 and run.unwinds_logged > 0 and run.outputs_equal_control
-        )
+    elif run.kind == PATCHED:
+        run.ok = bool(everything and unwound_everywhere and run.outputs_equal_control and not run.died_with)
         run.verdict = (
-            "every request finished, the unwind was logged, outputs equal the control run's"
+            "every request finished, every rank unwound, outputs equal the control run's"
             if run.ok
             else (
-                f"{run.failed} failed, misses {run.injected_misses}, unwinds logged {run.unwinds_logged},"
-                f" outputs equal control: {run.outputs_equal_control}"
+                f"{run.failed} failed, misses {run.misses}, unwinds {run.unwinds},"
+                f" outputs equal control: {run.outputs_equal_control}, died with {run.died_with or 'nothing'}"
+            )
+        )
+    else:
+        differing = run.outputs_differing or 0
+        run.ok = bool(everything and unwound_everywhere and differing > 0 and not run.died_with)
+        run.verdict = (
+            f"the hazard showed: {differing} of {len(outcomes)} outputs differ from the control run's"
+            if run.ok
+            else (
+                "the missing wait went unseen: outputs equal the control run's"
+                if everything and unwound_everywhere and differing == 0
+                else f"{run.failed} failed, misses {run.misses}, unwinds {run.unwinds},"
+                f" died with {run.died_with or 'nothing'}"
             )
         )
 
 
+class PeakMemory:
+    """The largest resident size of a process and its descendants, sampled every second."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak_bytes = pid, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        try:
+            import psutil
+        except ImportError:
+            return
+        while not self._stop.wait(1.0):
+            try:
+                root = psutil.Process(self.pid)
+                tree = [root, *root.children(recursive=True)]
+                total = 0
+                for process in tree:
+                    with contextlib.suppress(psutil.Error):
+                        total += process.memory_info().rss
+                self.peak_bytes = max(self.peak_bytes, total)
+            except psutil.Error:
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.peak_bytes // (1 << 20)
+
+
 def run_once(
     model: str,
-    kind: str,
+    spec: RunSpec,
     command: Sequence[str],
     out: Path,
     base_env: dict[str, str],
@@ -433,34 +574,41 @@ def run_once(
     control: dict[str, list[int]] | None,
     port: int,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    run_timeout_s: float = RUN_TIMEOUT_S,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> tuple[Run, list[Outcome]]:
     started_at = time.monotonic()
-    run = Run(model, kind, log=f"{model}-{kind}.log")
-    counters = out / "counters" / f"{model}-{kind}"
+    run = Run(model, spec.name, spec.kind, spec.tp, log=f"{model}-{spec.name}.log")
+    counters = out / "counters" / f"{model}-{spec.name}"
+    shutil.rmtree(counters, ignore_errors=True)
     env = dict(base_env)
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(HOOK), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
+    path = [*map(str, [*([spec.site] if spec.site else []), *pythonpath, HOOK]), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path).rstrip(os.pathsep)
     env["CARRY_E2E_COUNTERS_DIR"] = str(counters)
-    # The hook runs in every run (it counts the loads started); only the control run injects nothing.
+    # The hook runs in every run (it counts loads and unwinds); only the control run injects nothing.
     env["CARRY_E2E_INJECT"] = "1"
-    env["CARRY_E2E_MISS_LIMIT"] = "0" if kind == "control" else str(MISS_LIMIT)
+    env["CARRY_E2E_MISS_LIMIT"] = "0" if spec.kind == CONTROL else str(MISS_LIMIT)
+    if spec.miss_ranks is not None:
+        env["CARRY_E2E_MISS_RANKS"] = ",".join(map(str, spec.miss_ranks))
+    if spec.rank_local:
+        env["CARRY_E2E_RANK_LOCAL"] = "1"
     server = Server.start(command, env, out / run.log, port)
+    memory = PeakMemory(server.process.pid)
     outcomes: list[Outcome] = []
     try:
         run.started = server.wait_healthy(startup_timeout_s)
         if run.started:
-            outcomes = drive(server.base_url, plan_traffic(), server.alive)
+            deadline = time.monotonic() + run_timeout_s
+            outcomes = drive(server.base_url, plan_traffic(), server.alive, deadline, request_timeout_s)
+            run.hung = server.alive() and any(o.error == "run timed out" for o in outcomes)
             time.sleep(1.0)  # let a dying scheduler take the server down before we look
         run.server_died = not server.alive()
     finally:
+        run.peak_rss_mb = memory.stop()
         server.stop()
     text = (out / run.log).read_text(errors="replace")
-    counts = read_counters(counters)
-    run.injected_misses = counts.get("injected_misses", 0)
-    run.loads_started = counts.get("loads_started", 0)
+    take_counters(run, read_counters(counters))
     run.unwinds_logged = len(UNWIND_LOG.findall(text))
-    run.alloc_error_logged = bool(ALLOC_ERROR.search(text))
     if not run.started:
         outcomes = [
             Outcome(r.key, False, error="server never became healthy") for w in plan_traffic() for r in w
@@ -488,69 +636,152 @@ def official_wheel_of(patched: Path) -> Path:
     return ROOT / "upstream" / ".downloads" / upstream
 
 
+def per_rank(counts: dict[str, int]) -> str:
+    return " ".join(f"{rank}:{n}" for rank, n in sorted(counts.items())) or "-"
+
+
 def table(runs: Sequence[Run]) -> list[str]:
     lines = [
-        f"{'model':<7} {'run':<9} {'ok':<3} {'done':>5} {'fail':>4} {'host':>6} {'miss':>4}"
-        f" {'unw':>4}  verdict"
+        f"{'model':<7} {'run':<19} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>7} {'unw':>7}"
+        f" {'diff':>4} {'s':>4}  verdict"
     ]
     for r in runs:
+        differing = "-" if r.outputs_differing is None else str(r.outputs_differing)
         lines.append(
-            f"{r.model:<7} {r.kind:<9} {'yes' if r.ok else 'NO':<3} {r.finished:>5} {r.failed:>4}"
-            f" {r.host_cached_tokens:>6} {r.injected_misses:>4} {r.unwinds_logged:>4}  {r.verdict}"
+            f"{r.model:<7} {r.name:<19} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
+            f" {r.host_cached_tokens:>5} {per_rank(r.misses):>7} {per_rank(r.unwinds):>7} {differing:>4}"
+            f" {r.seconds:>4.0f}  {r.verdict}"
         )
     return lines
 
 
+def cpu_specs(line: Any, out: Path, names: Sequence[str]) -> list[RunSpec]:
+    sites = out / "sites"
+    pristine = unpack_wheel(line.pristine_wheel, sites / "pristine")
+    patched = unpack_wheel(line.patched_wheel, sites / "patched")
+    every = [
+        RunSpec(CONTROL, CONTROL, patched),
+        RunSpec(PRISTINE, PRISTINE, pristine),
+        RunSpec(PATCHED, PATCHED, patched),
+        RunSpec(WITHOUT_LOAD_WAIT, WITHOUT_LOAD_WAIT, line.without_load_wait),
+        RunSpec("tp2-control", CONTROL, patched, tp=2, rank_local=True),
+        RunSpec("tp2-pristine", PRISTINE, pristine, tp=2, miss_ranks=(1,), rank_local=True),
+        RunSpec("tp2-patched", PATCHED, patched, tp=2, miss_ranks=(1,), rank_local=True),
+    ]
+    return [spec for spec in every if spec.name in names]
+
+
+def cpu_env(base: dict[str, str], out: Path) -> dict[str, str]:
+    env = dict(base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["CARRY_E2E_CPU"] = "1"
+    # One OpenMP thread group per TP rank (sglang's CPU engine insists on being told).
+    env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
+    # A CUDA build of torch beside an NCCL wheel makes the CPU platform try pynccl; point it nowhere.
+    env["SGLANG_NCCL_SO_PATH"] = str(out / "no-libnccl.so")
+    # No JIT cache shared with another tree or run.
+    env["TORCH_EXTENSIONS_DIR"] = str(out / "torch-extensions")
+    return env
+
+
+CPU_RUNS = (
+    CONTROL,
+    PRISTINE,
+    PATCHED,
+    WITHOUT_LOAD_WAIT,
+    "tp2-control",
+    "tp2-pristine",
+    "tp2-patched",
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/e2e/run_e2e.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--upstream", help="CPU: the sglang line (default: the newest with a series)")
+    parser.add_argument("--wheel", type=Path, help="GPU: the patched wheel (installed in this venv)")
     parser.add_argument(
-        "--wheel", type=Path, required=True, help="the patched wheel (installed in this venv)"
-    )
-    parser.add_argument(
-        "--pristine-wheel", type=Path, help="the official wheel (default: from the provenance)"
+        "--pristine-wheel", type=Path, help="GPU: the official wheel (default: from the provenance)"
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--models", default="dense,hybrid")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the servers")
+    parser.add_argument("--models", default=None, help="GPU: dense,hybrid (CPU: dense only)")
+    parser.add_argument("--runs", default=",".join(CPU_RUNS), help="CPU: which runs, in this order")
+    parser.add_argument("--python", default=sys.executable, help="GPU: the interpreter that runs the servers")
     args = parser.parse_args(argv)
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in args.models.split(",") if n]
-    pristine_wheel = args.pristine_wheel or official_wheel_of(args.wheel)
-    pristine_site = install_pristine(args.python, pristine_wheel, out / "pristine-site")
-    models = write_models(out / "models", names)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CARRY_E2E_")}
+    report: dict[str, Any] = {"device": args.device}
+    plans: list[tuple[str, list[str], list[RunSpec], list[Path], str]] = []
+    if args.device == "cpu":
+        names = [n for n in args.runs.split(",") if n]
+        unknown = sorted(set(names) - set(CPU_RUNS))
+        if unknown or (args.models not in (None, "dense")):
+            what = f"unknown run(s) {', '.join(unknown)}" if unknown else f"--models {args.models}"
+            print(
+                f"e2e: error: {what}: on CPU the runs are {', '.join(CPU_RUNS)}, the model dense",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            line = cpu_line.prepare(args.upstream, out)
+        except (cpu_line.CarryError, subprocess.CalledProcessError) as error:
+            print(f"e2e: error: the line cannot be prepared: {error}", file=sys.stderr)
+            return 2
+        env = cpu_env(env, out)
+        python = str(line.python)
+        plans.append(
+            ("dense", CPU_FLAGS, cpu_specs(line, out, names), [CPU_STANDINS, line.server_deps], python)
+        )
+        report |= {
+            "upstream": line.version,
+            "wheel": line.patched_wheel.name,
+            "pristine_wheel": line.pristine_wheel.name,
+            "without_load_wait": f"the series without {line.load_wait_entry}",
+        }
+    else:
+        if args.wheel is None:
+            print(
+                "e2e: error: --wheel is required on a GPU (the patched wheel in this venv)", file=sys.stderr
+            )
+            return 2
+        pristine_wheel = args.pristine_wheel or official_wheel_of(args.wheel)
+        pristine_site = install_pristine(args.python, pristine_wheel, out / "pristine-site")
+        for name in [n for n in (args.models or "dense,hybrid").split(",") if n]:
+            specs = [
+                RunSpec(CONTROL, CONTROL),
+                RunSpec(PRISTINE, PRISTINE, pristine_site),
+                RunSpec(PATCHED, PATCHED),
+            ]
+            plans.append((name, MODELS[name][2], specs, [], args.python))
+        report |= {"wheel": args.wheel.name, "pristine_wheel": pristine_wheel.name}
+    models = write_models(out / "models", [plan[0] for plan in plans])
     runs: list[Run] = []
-    for name in names:
-        _, _, extra = MODELS[name]
-        control_outputs: dict[str, list[int]] | None = None
-        for kind in ("control", "pristine", "patched"):
+    for model, extra, specs, pythonpath, python in plans:
+        controls: dict[str, dict[str, list[int]]] = {}
+        for spec in specs:
             port = free_port()
-            command = server_command(args.python, models[name], port, extra)
-            site = [pristine_site] if kind == "pristine" else []
-            run, outcomes = run_once(name, kind, command, out, env, site, control_outputs, port)
-            if kind == "control":
-                control_outputs = {o.key: o.output_ids for o in outcomes if o.ok}
+            flags = [*extra, *(["--tp-size", str(spec.tp)] if spec.tp > 1 else [])]
+            command = server_command(python, models[model], port, flags)
+            control = controls.get(spec.control_name) if spec.kind != CONTROL else None
+            run, outcomes = run_once(model, spec, command, out, env, pythonpath, control, port)
+            if spec.kind == CONTROL:
+                controls[spec.name] = {o.key: o.output_ids for o in outcomes if o.ok}
             runs.append(run)
-            print(f"e2e: {name} {kind}: {run.verdict} ({run.seconds:.0f} s)", flush=True)
-    report = {
-        "runs": [asdict(r) for r in runs],
-        "pristine_wheel": pristine_wheel.name,
-        "wheel": args.wheel.name,
-    }
+            print(f"e2e: {model} {spec.name}: {run.verdict} ({run.seconds:.0f} s)", flush=True)
     upstream_fixed = [
-        r.model for r in runs if r.kind == "pristine" and r.verdict.startswith("UPSTREAM FIXED")
+        f"{r.model} {r.name}" for r in runs if r.kind == PRISTINE and r.verdict.startswith("UPSTREAM FIXED")
     ]
-    report["upstream_fixed"] = upstream_fixed
+    report |= {"runs": [asdict(r) for r in runs], "upstream_fixed": upstream_fixed}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = table(runs)
     (out / "report.md").write_text("```\n" + "\n".join(lines) + "\n```\n")
-    for model in upstream_fixed:
-        print(f"e2e: NOTICE: {model}: pristine sglang survived the injected misses: upstream fixed it")
+    for what in upstream_fixed:
+        print(f"e2e: NOTICE: {what}: pristine sglang survived the injected misses: upstream fixed it")
         if os.environ.get("GITHUB_ACTIONS") == "true":
-            print(f"::notice title=upstream fixed it::{model}: pristine survived the injected misses")
+            print(f"::notice title=upstream fixed it::{what}: pristine survived the injected misses")
     print("\n".join(lines))
-    return 0 if all(r.ok for r in runs) else 1
+    return 0 if runs and all(r.ok for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ EVERY, NIGHTLY = "every", "nightly"
 class TestEnv:
     name: str
     venv: Path
+    # What a real sglang server needs beyond the environment (the e2e's CPU servers), if any.
+    e2e_server_lock: Path | None = None
 
     @property
     def python(self) -> Path:
@@ -40,7 +42,14 @@ def test_envs(project: Project) -> tuple[str, dict[str, TestEnv]]:
     try:
         data = tomllib.loads(path.read_text())
         default, table = data["default"], data["envs"]
-        envs = {name: TestEnv(name, project.root / spec["venv"]) for name, spec in table.items()}
+        envs = {
+            name: TestEnv(
+                name,
+                project.root / spec["venv"],
+                project.root / spec["e2e_server_lock"] if "e2e_server_lock" in spec else None,
+            )
+            for name, spec in table.items()
+        }
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
         raise CarryError(f"{path}: cannot read the test environments ({exc!r})") from exc
     if default not in envs:

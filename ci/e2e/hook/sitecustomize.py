@@ -1,16 +1,26 @@
-"""Miss injection for the end-to-end test, loaded by every Python process of the server.
+"""Miss injection and observation for the end-to-end test, loaded by every Python process of the
+server.
 
 ci/e2e/run_e2e.py puts this folder on PYTHONPATH; Python imports `sitecustomize` at start-up in
 the server and in every scheduler process it spawns. Nothing happens unless CARRY_E2E_INJECT=1.
 
 With it, a KV allocation misses exactly as an elastic pool reports one (kvcached: the allocator's
 `alloc` / `alloc_extend` returns None, nothing taken), and only where the carried unwind matters:
-inside `ScheduleBatch.prepare_for_extend` of a batch whose HiCache load already started
-(`hicache_consumer_index >= 0`, set by the scheduler just before). At most CARRY_E2E_MISS_LIMIT
-misses (default 3) are injected, each on the first allocation of such a batch.
+inside the prefill batch's allocation of a batch whose HiCache load already started
+(`hicache_consumer_index >= 0`, set by the scheduler just before). That allocation is
+`ScheduleBatch.allocate_for_extend` where the tree has it (the patched scheduler calls it
+directly) and `prepare_for_extend` where it does not (pristine). At most CARRY_E2E_MISS_LIMIT
+misses (default 3) are injected per rank, each on the first allocation of such a batch, and only
+on the ranks CARRY_E2E_MISS_RANKS names (comma-separated; default: every rank), as a per-rank
+elastic pool misses on one rank only. CARRY_E2E_RANK_LOCAL=1 marks the KV allocators
+`rank_local_capacity` on every rank, as a kvcached pool is.
 
-Counters (eligible allocations, injected misses, loads started) go to
-CARRY_E2E_COUNTERS_DIR/<pid>.json, rewritten on every change, so they survive a killed server.
+Observed per process (its TP rank recorded): eligible allocations, injected misses, loads started,
+prefill unwinds (the scheduler's unwind, where the tree has one), and the exception the
+scheduler's event loop died with, if it did (type, message, where it was raised). They go to
+CARRY_E2E_COUNTERS_DIR/<pid>.json, rewritten (atomically) on every change, so they survive a
+killed server. With CARRY_E2E_CPU=1 the CPU stand-ins (ci/e2e/cpu/carry_e2e_cpu.py) are
+installed too.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import json
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,22 +40,41 @@ from typing import Any
 BATCH_MODULE = "sglang.srt.managers.schedule_batch"
 ALLOCATOR_PACKAGE = "sglang.srt.mem_cache.allocator"
 CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 ALLOC_METHODS = ("alloc", "alloc_extend")
+# Where each tree allocates a prefill batch, first match wins: the patched scheduler calls
+# allocate_for_extend; prepare_for_extend calls it too there, so only one of them is wrapped.
+BATCH_ALLOCATION_METHODS = ("allocate_for_extend", "prepare_for_extend")
+UNWIND_METHOD = "_unwind_prefill_batch"
+# The scheduler's event loop, outermost first (run_event_loop dispatches to one event_loop_*).
+EVENT_LOOP_METHODS = ("run_event_loop", "event_loop_normal", "event_loop_overlap")
+
+
+def tp_rank() -> int:
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_rank())
+    return 0
 
 
 class Injector:
-    """The miss decision and its counters; one per process."""
+    """The miss decision and what the process observed; one per process."""
 
-    def __init__(self, limit: int, counters_dir: Path | None) -> None:
+    def __init__(
+        self, limit: int, counters_dir: Path | None, miss_ranks: frozenset[int] | None = None
+    ) -> None:
         self.limit = limit
         self.counters_dir = counters_dir
-        self.counts = {"eligible_allocations": 0, "injected_misses": 0, "loads_started": 0}
+        self.miss_ranks = miss_ranks
+        self.counts = {"eligible_allocations": 0, "injected_misses": 0, "loads_started": 0, "unwinds": 0}
+        self.died_with: dict[str, str] | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def preparing(self, batch: Any) -> Iterator[None]:
-        """Around prepare_for_extend: allocations inside are eligible when the batch's load started."""
+    def allocating(self, batch: Any) -> Iterator[None]:
+        """Around a prefill batch's allocation: allocations inside are eligible when the batch's
+        load started."""
         previous = getattr(self._local, "loading", False)
         self._local.loading = getattr(batch, "hicache_consumer_index", -1) >= 0
         try:
@@ -57,18 +87,31 @@ class Injector:
             return False
         with self._lock:
             self.counts["eligible_allocations"] += 1
-            miss = self.counts["injected_misses"] < self.limit
+            allowed = self.miss_ranks is None or tp_rank() in self.miss_ranks
+            miss = allowed and self.counts["injected_misses"] < self.limit
             if miss:
                 self.counts["injected_misses"] += 1
                 self._local.loading = False  # one miss per batch: its unwind puts it back whole
             self._save()
         return miss
 
+    def count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] += 1
+            self._save()
+
     def load_started(self, producer_index: int) -> None:
         if producer_index >= 0:
-            with self._lock:
-                self.counts["loads_started"] += 1
-                self._save()
+            self.count("loads_started")
+
+    def died(self, error: BaseException) -> None:
+        with self._lock:
+            if self.died_with is not None:
+                return
+            frames = traceback.extract_tb(error.__traceback__)
+            where = f"{frames[-1].filename}:{frames[-1].name}" if frames else ""
+            self.died_with = {"type": type(error).__name__, "message": str(error), "raised_in": where}
+            self._save()
 
     def _save(self) -> None:
         if self.counters_dir is None:
@@ -76,18 +119,21 @@ class Injector:
         self.counters_dir.mkdir(parents=True, exist_ok=True)
         target = self.counters_dir / f"{os.getpid()}.json"
         temporary = target.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self.counts))
+        temporary.write_text(json.dumps({"rank": tp_rank(), **self.counts, "died_with": self.died_with}))
         temporary.replace(target)
 
 
-def wrap_prepare_for_extend(batch_class: type, injector: Injector) -> None:
-    real = batch_class.prepare_for_extend  # type: ignore[attr-defined]
+def wrap_batch_allocation(batch_class: type, injector: Injector) -> str:
+    """Wrap the method a prefill batch allocates in (BATCH_ALLOCATION_METHODS); returns its name."""
+    name = next(n for n in BATCH_ALLOCATION_METHODS if n in batch_class.__dict__)
+    real = batch_class.__dict__[name]
 
-    def prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with injector.preparing(self):
+    def allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with injector.allocating(self):
             return real(self, *args, **kwargs)
 
-    batch_class.prepare_for_extend = prepare_for_extend  # type: ignore[attr-defined]
+    setattr(batch_class, name, allocate)
+    return name
 
 
 def wrap_allocators(classes: Sequence[type], injector: Injector) -> list[str]:
@@ -124,6 +170,34 @@ def wrap_start_loading(controller_class: type, injector: Injector) -> None:
     controller_class.start_loading = start_loading  # type: ignore[attr-defined]
 
 
+def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
+    """Count the unwinds (where the tree has one) and record the event loop's fatal exception."""
+    wrapped = []
+    unwind = scheduler_class.__dict__.get(UNWIND_METHOD)
+    if unwind is not None:
+
+        def unwind_prefill_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = unwind(self, *args, **kwargs)
+            injector.count("unwinds")
+            return result
+
+        setattr(scheduler_class, UNWIND_METHOD, unwind_prefill_batch)
+        wrapped.append(UNWIND_METHOD)
+    loop_name = next(n for n in EVENT_LOOP_METHODS if n in scheduler_class.__dict__)
+    loop = scheduler_class.__dict__[loop_name]
+
+    def event_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return loop(self, *args, **kwargs)
+        except BaseException as error:
+            injector.died(error)
+            raise
+
+    setattr(scheduler_class, loop_name, event_loop)
+    wrapped.append(loop_name)
+    return wrapped
+
+
 def all_subclasses(cls: type) -> list[type]:
     found, stack = [], [cls]
     while stack:
@@ -135,7 +209,7 @@ def all_subclasses(cls: type) -> list[type]:
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a patch right after a named module has executed (whoever imports it first)."""
+    """Runs patches right after a named module has executed (whoever imports it first)."""
 
     def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
         self.patches = patches
@@ -167,20 +241,40 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
     if env.get("CARRY_E2E_INJECT") != "1":
         return None
     counters = env.get("CARRY_E2E_COUNTERS_DIR")
-    injector = Injector(int(env.get("CARRY_E2E_MISS_LIMIT", "3")), Path(counters) if counters else None)
+    ranks = env.get("CARRY_E2E_MISS_RANKS", "")
+    injector = Injector(
+        int(env.get("CARRY_E2E_MISS_LIMIT", "3")),
+        Path(counters) if counters else None,
+        frozenset(int(r) for r in ranks.split(",") if r.strip()) if ranks.strip() else None,
+    )
+    rank_local = env.get("CARRY_E2E_RANK_LOCAL") == "1"
 
     def patch_batch(module: Any) -> None:
-        wrap_prepare_for_extend(module.ScheduleBatch, injector)
+        wrap_batch_allocation(module.ScheduleBatch, injector)
         # The allocators are imported by then (schedule_batch imports the allocator package).
         allocator = sys.modules.get(ALLOCATOR_PACKAGE)
         base = getattr(allocator, "BaseTokenToKVPoolAllocator", None)
         if base is not None:
             wrap_allocators([base, *all_subclasses(base)], injector)
+            if rank_local:
+                base.rank_local_capacity = True
 
     def patch_controller(module: Any) -> None:
         wrap_start_loading(module.HiCacheController, injector)
 
-    sys.meta_path.insert(0, AfterImport({BATCH_MODULE: patch_batch, CONTROLLER_MODULE: patch_controller}))
+    def patch_scheduler(module: Any) -> None:
+        wrap_scheduler(module.Scheduler, injector)
+
+    patches: dict[str, Callable[[Any], None]] = {
+        BATCH_MODULE: patch_batch,
+        CONTROLLER_MODULE: patch_controller,
+        SCHEDULER_MODULE: patch_scheduler,
+    }
+    if env.get("CARRY_E2E_CPU") == "1":
+        import carry_e2e_cpu  # on PYTHONPATH only in the CPU mode's servers
+
+        patches |= carry_e2e_cpu.install()
+    sys.meta_path.insert(0, AfterImport(patches))
     return injector
 
 
