@@ -642,14 +642,14 @@ def per_rank(counts: dict[str, int]) -> str:
 
 def table(runs: Sequence[Run]) -> list[str]:
     lines = [
-        f"{'model':<7} {'run':<19} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>7} {'unw':>7}"
+        f"{'model':<7} {'run':<19} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>11} {'unw':>11}"
         f" {'diff':>4} {'s':>4}  verdict"
     ]
     for r in runs:
         differing = "-" if r.outputs_differing is None else str(r.outputs_differing)
         lines.append(
             f"{r.model:<7} {r.name:<19} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
-            f" {r.host_cached_tokens:>5} {per_rank(r.misses):>7} {per_rank(r.unwinds):>7} {differing:>4}"
+            f" {r.host_cached_tokens:>5} {per_rank(r.misses):>11} {per_rank(r.unwinds):>11} {differing:>4}"
             f" {r.seconds:>4.0f}  {r.verdict}"
         )
     return lines

@@ -5,13 +5,20 @@
 Serves /health and /generate on 127.0.0.1 like sglang with --skip-tokenizer-init and
 --enable-cache-report: greedy "output_ids" derived from the input ids, meta_info with
 finish_reason, cached_tokens and cached_tokens_details.host (a prefix seen before counts as a host
-hit). It writes the counters the injection hook would (CARRY_E2E_COUNTERS_DIR), and per MODE:
+hit). It writes the counters the injection hook would (CARRY_E2E_COUNTERS_DIR: rank 0's, and with
+--tp 2 rank 1's too), misses only on the ranks CARRY_E2E_MISS_RANKS names, and per MODE:
 - control:  no miss;
-- pristine: the first request of the second wave "misses": it logs the allocation error and the
-  whole server exits (as sglang does when its scheduler dies);
+- no-miss:  no miss even when misses are asked for (a hook that injects nothing);
+- pristine: the first request of the second wave "misses": the missing rank's scheduler records
+  the allocation error (raised in sglang/srt/mem_cache/allocation.py) and the whole server exits
+  (as sglang does when its scheduler dies);
+- other-death: like pristine, but the scheduler died of something else (raised elsewhere);
 - survivor: misses, and survives without unwinding (a pristine sglang that fixed the bug);
-- patched:  misses, logs the unwind, answers everything;
-- skewed:   like patched, but its outputs differ from the control run's.
+- patched:  misses, every rank unwinds (and logs it), answers everything;
+- one-rank-unwinds: like patched, but only the missing rank unwinds;
+- skewed:   like patched, but its outputs differ from the control run's (as a tree without the
+  load wait does);
+- hang:     misses, then never answers the request that missed (a rank waiting in a collective).
 With --child-pid-file it starts a child in its own process group (a scheduler) and records its PID.
 """
 
@@ -27,10 +34,23 @@ from pathlib import Path
 from typing import Any
 
 PORT, MODE = int(sys.argv[1]), sys.argv[2]
+TP = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
 seen_prefixes: set[tuple[int, ...]] = set()
-counts = {"eligible_allocations": 0, "injected_misses": 0, "loads_started": 0}
+counts = {
+    rank: {"eligible_allocations": 0, "injected_misses": 0, "loads_started": 0, "unwinds": 0}
+    for rank in range(TP)
+}
+died_with: dict[int, dict[str, str]] = {}
 lock = threading.Lock()
 limit = int(os.environ.get("CARRY_E2E_MISS_LIMIT", "0"))
+ranks = os.environ.get("CARRY_E2E_MISS_RANKS", "")
+miss_ranks = [int(r) for r in ranks.split(",")] if ranks else list(range(TP))
+ALLOCATION_ERROR = {
+    "type": "RuntimeError",
+    "message": "Out of memory. Try to lower your batch size.",
+    "raised_in": "/x/python/sglang/srt/mem_cache/allocation.py:alloc_token_slots",
+}
+OTHER_ERROR = {"type": "RuntimeError", "message": "Connection closed by peer", "raised_in": "/x/gloo.py:wait"}
 
 
 def save_counters() -> None:
@@ -38,11 +58,12 @@ def save_counters() -> None:
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         # As the real hook does: the driver may read the folder (and kill this process) at any
-        # moment, so it must never see a half-written file.
-        target = Path(folder) / f"{os.getpid()}.json"
-        temporary = target.with_suffix(".tmp")
-        temporary.write_text(json.dumps(counts))
-        temporary.replace(target)
+        # moment, so it must never see a half-written file. One file per rank's "scheduler".
+        for rank, rank_counts in counts.items():
+            target = Path(folder) / f"{os.getpid()}-{rank}.json"
+            temporary = target.with_suffix(".tmp")
+            temporary.write_text(json.dumps({"rank": rank, **rank_counts, "died_with": died_with.get(rank)}))
+            temporary.replace(target)
 
 
 def log(line: str) -> None:
@@ -68,24 +89,31 @@ class Handler(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ids: list[int] = request["input_ids"]
         prefix = tuple(ids[:256])
+        missing = counts[miss_ranks[0]]
         with lock:
             host_hit = prefix in seen_prefixes
             seen_prefixes.add(prefix)
+            missed = False
             if host_hit:
-                counts["loads_started"] += 1
-                if counts["injected_misses"] < limit:
-                    counts["injected_misses"] += 1
-                    counts["eligible_allocations"] += 1
+                for rank_counts in counts.values():
+                    rank_counts["loads_started"] += 1
+                    rank_counts["eligible_allocations"] += 1
+                if MODE != "no-miss" and missing["injected_misses"] < limit:
+                    missing["injected_misses"] += 1
                     missed = True
-                else:
-                    missed = False
-            else:
-                missed = False
+            if missed and MODE in ("pristine", "other-death"):
+                died_with[miss_ranks[0]] = ALLOCATION_ERROR if MODE == "pristine" else OTHER_ERROR
+            if missed and MODE in ("patched", "skewed", "one-rank-unwinds"):
+                unwound = [miss_ranks[0]] if MODE == "one-rank-unwinds" else list(counts)
+                for rank in unwound:
+                    counts[rank]["unwinds"] += 1
             save_counters()
-        if missed and MODE == "pristine":
-            log("Scheduler hit an exception: RuntimeError: Out of memory. Try to lower your batch size.")
+        if missed and MODE in ("pristine", "other-death"):
+            log("Scheduler hit an exception")
             os._exit(1)
-        if missed and MODE in ("patched", "skewed"):
+        if missed and MODE == "hang":
+            threading.Event().wait()  # the driver's request timeout ends it
+        if missed and MODE in ("patched", "skewed", "one-rank-unwinds"):
             log("Prefill allocation missed; unwound 1 batch(es) since the last report")
         n = request["sampling_params"]["max_new_tokens"]
         salt = 7 if MODE == "skewed" else 0

@@ -29,7 +29,9 @@ FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 # The hook
 # --------------------------------------------------------------------------------------------
 def fresh_classes() -> dict[str, type]:
-    """A batch and two allocators, new for each test (the hook patches classes in place)."""
+    """Two allocators and the two batch shapes (the hook patches classes in place, so new ones per
+    test): pristine sglang allocates in prepare_for_extend; the patched scheduler calls
+    allocate_for_extend directly, and prepare_for_extend calls it too."""
 
     class Alloc:
         def __init__(self) -> None:
@@ -43,31 +45,102 @@ def fresh_classes() -> dict[str, type]:
         def alloc_extend(self, need: int) -> list[int] | None:
             return self.alloc(need)
 
-    class Batch:
+    class PristineBatch:
         def __init__(self, allocator: Alloc, consumer: int) -> None:
             self.allocator, self.hicache_consumer_index = allocator, consumer
 
         def prepare_for_extend(self) -> list[int] | None:
             return self.allocator.alloc(4)
 
-    return {"Alloc": Alloc, "Paged": Paged, "Batch": Batch}
+    class PatchedBatch(PristineBatch):
+        def allocate_for_extend(self) -> list[int] | None:
+            return self.allocator.alloc(4)
+
+        def prepare_for_extend(self) -> list[int] | None:
+            return self.allocate_for_extend()
+
+    return {"Alloc": Alloc, "Paged": Paged, "PristineBatch": PristineBatch, "PatchedBatch": PatchedBatch}
 
 
-def test_hook_misses_only_inside_prepare_for_extend_of_a_loading_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("shape", "wrapped_method", "call"),
+    [
+        ("PristineBatch", "prepare_for_extend", "prepare_for_extend"),
+        ("PatchedBatch", "allocate_for_extend", "allocate_for_extend"),  # the scheduler's call
+        ("PatchedBatch", "allocate_for_extend", "prepare_for_extend"),  # other callers
+    ],
+)
+def test_hook_misses_where_the_tree_allocates_a_loading_batch(
+    tmp_path: Path, shape: str, wrapped_method: str, call: str
+) -> None:
     classes = fresh_classes()
     injector = hook.Injector(limit=2, counters_dir=tmp_path / "counters")
-    hook.wrap_prepare_for_extend(classes["Batch"], injector)
+    assert hook.wrap_batch_allocation(classes[shape], injector) == wrapped_method
     wrapped = hook.wrap_allocators([classes["Alloc"], classes["Paged"]], injector)
     assert wrapped == ["Alloc.alloc", "Paged.alloc_extend"]
-    allocator, batch = classes["Alloc"](), classes["Batch"]
-    assert allocator.alloc(3) == [0, 1, 2]  # outside prepare_for_extend: never a miss
-    assert batch(allocator, consumer=-1).prepare_for_extend() == [0, 1, 2, 3]  # no load in flight
-    assert batch(allocator, consumer=0).prepare_for_extend() is None  # a load in flight: miss
+    allocator, batch = classes["Alloc"](), classes[shape]
+
+    def allocate(consumer: int) -> list[int] | None:
+        result: list[int] | None = getattr(batch(allocator, consumer), call)()
+        return result
+
+    assert allocator.alloc(3) == [0, 1, 2]  # outside the batch's allocation: never a miss
+    assert allocate(-1) == [0, 1, 2, 3]  # no load in flight
+    assert allocate(0) is None  # a load in flight: miss
     assert allocator.taken == 7  # the miss took nothing
-    assert batch(allocator, consumer=2).prepare_for_extend() is None
-    assert batch(allocator, consumer=1).prepare_for_extend() == [0, 1, 2, 3]  # the limit (2) is reached
+    assert allocate(2) is None
+    assert allocate(1) == [0, 1, 2, 3]  # the limit (2) is reached
     counters = json.loads((tmp_path / "counters" / f"{os.getpid()}.json").read_text())
-    assert counters == {"eligible_allocations": 3, "injected_misses": 2, "loads_started": 0}
+    assert counters == {
+        "rank": 0,
+        "eligible_allocations": 3,
+        "injected_misses": 2,
+        "loads_started": 0,
+        "unwinds": 0,
+        "died_with": None,
+    }
+
+
+def test_hook_misses_only_on_the_ranks_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    classes = fresh_classes()
+    injector = hook.Injector(limit=5, counters_dir=None, miss_ranks=frozenset({1}))
+    hook.wrap_batch_allocation(classes["PatchedBatch"], injector)
+    hook.wrap_allocators([classes["Alloc"]], injector)
+    allocator = classes["Alloc"]()
+    monkeypatch.setattr(hook, "tp_rank", lambda: 0)
+    assert classes["PatchedBatch"](allocator, 0).allocate_for_extend() == [0, 1, 2, 3]
+    monkeypatch.setattr(hook, "tp_rank", lambda: 1)
+    assert classes["PatchedBatch"](allocator, 0).allocate_for_extend() is None
+    assert injector.counts["injected_misses"] == 1 and injector.counts["eligible_allocations"] == 2
+
+
+def test_hook_counts_unwinds_and_records_the_schedulers_own_error(tmp_path: Path) -> None:
+    def allocation_error() -> None:
+        raise RuntimeError("Out of memory. Try to lower your batch size.")
+
+    class Scheduler:
+        def _unwind_prefill_batch(self) -> str:
+            return "unwound"
+
+        def run_event_loop(self) -> None:
+            allocation_error()
+
+        def event_loop_normal(self) -> None:  # dispatched to by run_event_loop: not wrapped
+            raise AssertionError("not reached")
+
+    injector = hook.Injector(limit=0, counters_dir=tmp_path)
+    assert hook.wrap_scheduler(Scheduler, injector) == ["_unwind_prefill_batch", "run_event_loop"]
+    scheduler = Scheduler()
+    assert scheduler._unwind_prefill_batch() == "unwound"
+    with pytest.raises(RuntimeError, match="Out of memory"):
+        scheduler.run_event_loop()
+    saved = json.loads((tmp_path / f"{os.getpid()}.json").read_text())
+    assert saved["unwinds"] == 1
+    assert saved["died_with"]["type"] == "RuntimeError"
+    assert saved["died_with"]["raised_in"].endswith("test_e2e.py:allocation_error")
+
+    pristine = type("Scheduler", (), {"event_loop_overlap": lambda self: None})
+    assert hook.wrap_scheduler(pristine, injector) == ["event_loop_overlap"]  # no unwind to count
 
 
 def test_hook_wraps_once_and_counts_loads(tmp_path: Path) -> None:
@@ -104,11 +177,17 @@ def test_hook_is_off_without_the_variable() -> None:
     assert hook.install({}) is None
     assert hook.install({"CARRY_E2E_INJECT": "0"}) is None
     assert sys.meta_path == before
-    injector = hook.install({"CARRY_E2E_INJECT": "1", "CARRY_E2E_MISS_LIMIT": "5"})
+    injector = hook.install(
+        {"CARRY_E2E_INJECT": "1", "CARRY_E2E_MISS_LIMIT": "5", "CARRY_E2E_MISS_RANKS": "1"}
+    )
     try:
-        assert injector is not None and injector.limit == 5
+        assert injector is not None and injector.limit == 5 and injector.miss_ranks == {1}
         assert isinstance(sys.meta_path[0], hook.AfterImport)
-        assert set(sys.meta_path[0].patches) == {hook.BATCH_MODULE, hook.CONTROLLER_MODULE}
+        assert set(sys.meta_path[0].patches) == {
+            hook.BATCH_MODULE,
+            hook.CONTROLLER_MODULE,
+            hook.SCHEDULER_MODULE,
+        }
     finally:
         sys.meta_path[:] = before
 
@@ -122,45 +201,102 @@ def small_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(run_e2e, "ROUNDS", 2)
 
 
-def _run(tmp_path: Path, mode: str, kind: str, control: dict[str, list[int]] | None = None) -> Any:
+def _run(
+    tmp_path: Path,
+    mode: str,
+    spec: Any,
+    control: dict[str, list[int]] | None = None,
+    request_timeout_s: float = run_e2e.REQUEST_TIMEOUT_S,
+) -> Any:
     port = run_e2e.free_port()
-    command = [sys.executable, str(FAKE_SERVER), str(port), mode]
-    return run_e2e.run_once("dense", kind, command, tmp_path, dict(os.environ), [], control, port, 30)
+    command = [sys.executable, str(FAKE_SERVER), str(port), mode, "--tp", str(spec.tp)]
+    return run_e2e.run_once(
+        "dense", spec, command, tmp_path, dict(os.environ), [], control, port, 30, 60, request_timeout_s
+    )
 
 
-def test_control_pristine_patched_verdicts(tmp_path: Path, small_traffic: None) -> None:
-    control, outcomes = _run(tmp_path, "control", "control")
+CONTROL = run_e2e.RunSpec("control", "control")
+PRISTINE = run_e2e.RunSpec("pristine", "pristine")
+PATCHED = run_e2e.RunSpec("patched", "patched")
+WITHOUT = run_e2e.RunSpec("without-load-wait", "without-load-wait")
+TP2_PRISTINE = run_e2e.RunSpec("tp2-pristine", "pristine", tp=2, miss_ranks=(1,), rank_local=True)
+TP2_PATCHED = run_e2e.RunSpec("tp2-patched", "patched", tp=2, miss_ranks=(1,), rank_local=True)
+
+
+@pytest.fixture
+def control_outputs(tmp_path: Path, small_traffic: None) -> dict[str, list[int]]:
+    control, outcomes = _run(tmp_path, "control", CONTROL)
     assert control.ok, control
     assert control.finished == 6 and control.host_cached_tokens == 3 * 256 and control.injected_misses == 0
-    outputs = {o.key: o.output_ids for o in outcomes}
+    return {o.key: o.output_ids for o in outcomes}
 
-    pristine, _ = _run(tmp_path, "pristine", "pristine", outputs)
-    assert pristine.ok and pristine.server_died and pristine.alloc_error_logged, pristine
-    assert pristine.verdict == "the scheduler died with the allocation error (as expected)"
-    assert pristine.failed > 0
 
-    patched, _ = _run(tmp_path, "patched", "patched", outputs)
+def test_every_kind_meets_its_expectation(tmp_path: Path, control_outputs: dict[str, list[int]]) -> None:
+    pristine, _ = _run(tmp_path, "pristine", PRISTINE, control_outputs)
+    assert pristine.ok and pristine.server_died and pristine.failed > 0, pristine
+    assert pristine.verdict == "the scheduler died with the allocation error (as expected; rank 0)"
+    assert "allocation.py" in pristine.died_with["0"]
+
+    patched, _ = _run(tmp_path, "patched", PATCHED, control_outputs)
     assert patched.ok, patched
-    assert patched.injected_misses == 3 and patched.unwinds_logged == 3 and patched.outputs_equal_control
+    assert patched.misses == {"0": 3} and patched.unwinds == {"0": 3} and patched.unwinds_logged == 3
+    assert patched.outputs_equal_control and patched.outputs_differing == 0
     assert (tmp_path / "dense-patched.log").read_text().startswith("fake server patched")
+
+    without, _ = _run(tmp_path, "skewed", WITHOUT, control_outputs)
+    assert without.ok and without.outputs_differing == 6, without
+    assert without.verdict == "the hazard showed: 6 of 6 outputs differ from the control run's"
+
+
+def test_two_ranks_miss_on_one_and_unwind_on_both(
+    tmp_path: Path, control_outputs: dict[str, list[int]]
+) -> None:
+    patched, _ = _run(tmp_path, "patched", TP2_PATCHED, control_outputs)
+    assert patched.ok, patched
+    assert patched.misses == {"0": 0, "1": 3} and patched.unwinds == {"0": 3, "1": 3}
+    pristine, _ = _run(tmp_path, "pristine", TP2_PRISTINE, control_outputs)
+    assert pristine.ok and pristine.verdict.endswith("(as expected; rank 1)"), pristine
+
+
+# Each expectation, broken once: the verdict must fail (or, for a survivor, say upstream fixed it).
+@pytest.mark.parametrize(
+    ("mode", "spec", "verdict"),
+    [
+        ("no-miss", PRISTINE, "no miss was injected"),  # the hook injected nothing
+        ("no-miss", PATCHED, "no miss was injected"),
+        ("no-miss", WITHOUT, "no miss was injected"),
+        ("other-death", PRISTINE, "the server died, but no scheduler of the allocation error"),
+        ("skewed", PATCHED, "outputs equal control: False"),
+        ("patched", WITHOUT, "the missing wait went unseen"),
+        ("one-rank-unwinds", TP2_PATCHED, "unwinds {'0': 0, '1': 3}"),
+        ("hang", PATCHED, "HANG: 3 request(s) timed out"),  # each missed request hangs
+    ],
+)
+def test_a_broken_expectation_fails(
+    tmp_path: Path, control_outputs: dict[str, list[int]], mode: str, spec: Any, verdict: str
+) -> None:
+    run, _ = _run(tmp_path, mode, spec, control_outputs, request_timeout_s=3)
+    assert not run.ok and verdict in run.verdict, run
+
+
+def test_control_without_host_hits_fails(
+    tmp_path: Path, small_traffic: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run_e2e, "ROUNDS", 1)  # one wave: nothing is ever loaded back
+    control, _ = _run(tmp_path, "control", CONTROL)
+    assert not control.ok and "host-cached tokens 0" in control.verdict
 
 
 def test_pristine_that_survives_is_reported_as_fixed_upstream(tmp_path: Path, small_traffic: None) -> None:
-    survivor, _ = _run(tmp_path, "survivor", "pristine")
+    survivor, _ = _run(tmp_path, "survivor", PRISTINE)
     assert survivor.ok and not survivor.server_died
     assert survivor.verdict.startswith("UPSTREAM FIXED IT")
-
-
-def test_patched_with_other_outputs_fails(tmp_path: Path, small_traffic: None) -> None:
-    _, outcomes = _run(tmp_path, "control", "control")
-    skewed, _ = _run(tmp_path, "skewed", "patched", {o.key: o.output_ids for o in outcomes})
-    assert not skewed.ok and skewed.outputs_equal_control is False
 
 
 def test_server_that_never_gets_healthy(tmp_path: Path) -> None:
     port = run_e2e.free_port()
     command = [sys.executable, "-c", "print('Out of memory at start-up'); raise SystemExit(3)"]
-    run, _ = run_e2e.run_once("dense", "patched", command, tmp_path, dict(os.environ), [], {}, port, 10)
+    run, _ = run_e2e.run_once("dense", PATCHED, command, tmp_path, dict(os.environ), [], {}, port, 10)
     assert not run.started and not run.ok and run.failed == run_e2e.GROUPS * run_e2e.ROUNDS
 
 
@@ -184,12 +320,15 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
 
 
 def test_hook_reaches_the_server_through_pythonpath(tmp_path: Path) -> None:
-    """run_once puts the hook first on the server's PYTHONPATH, so sitecustomize loads there."""
+    """run_once puts the run's tree first and the hook last on the server's PYTHONPATH, so
+    sitecustomize loads there."""
     port = run_e2e.free_port()
-    probe = "import sitecustomize as s; print('hook', s.INJECTOR is not None, s.__file__)"
+    probe = "import sitecustomize as s, sys; print('hook', s.INJECTOR is not None, s.__file__, sys.path[1])"
     command = [sys.executable, "-c", probe]
-    run_e2e.run_once("dense", "patched", command, tmp_path, dict(os.environ), [], {}, port, 3)
-    assert f"hook True {run_e2e.HOOK / 'sitecustomize.py'}" in (tmp_path / "dense-patched.log").read_text()
+    spec = run_e2e.RunSpec("patched", "patched", site=tmp_path / "tree")
+    run_e2e.run_once("dense", spec, command, tmp_path, dict(os.environ), [], {}, port, 3)
+    logged = (tmp_path / "dense-patched.log").read_text()
+    assert f"hook True {run_e2e.HOOK / 'sitecustomize.py'} {tmp_path / 'tree'}" in logged
 
 
 # --------------------------------------------------------------------------------------------
