@@ -6,9 +6,10 @@ and a canary that tries the series on the newest sglang release.
 Maintained lines are the lines of `carry status --json` that have a series (or carry nothing on
 purpose). For each, in order: build (`./scripts/build NAME --upstream V`; the wheel's sha256 is
 recorded), verify (`carry verify`), cpu-tests (`carry apply` of that line, then pytest on
-tests/upstream/NAME against its tree), and for sglang, where a CUDA device is present,
-gpu-tests (tests/gpu with CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs
-ruff, mypy and the tool's tests once (./scripts/test tests/tool). Then the canary asks the index
+tests/upstream/NAME against its tree), and for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a
+real server on CPU, one rank and two) and, where a CUDA device is present, gpu-tests (tests/gpu
+with CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs ruff, mypy and the
+tool's tests once (./scripts/test tests/tool). Then the canary asks the index
 `carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for the newest sglang release and, when it is
 newer than the newest sglang line, runs `carry rebase --check NEWEST sglang`, which names the
 first patch that stops applying. Each line's CPU tests run in its own test environment
@@ -16,7 +17,7 @@ first patch that stops applying. Each line's CPU tests run in its own test envir
 
 Everything lands in one folder (default build/nightly/<UTC timestamp>/): summary.md and
 summary.json (line x step -> pass/fail/skipped with the reason, durations, wheel sha256), logs/
-(one log per step), wheels/ (the built wheels and sdists), gpu/ and e2e/ results.
+(one log per step), wheels/ (the built wheels and sdists), gpu/, e2e/ and e2e-cpu/ results.
 Exit 0 when nothing failed (skips are not failures), 1 otherwise.
 
 Every command goes through an injectable Runner and the registry through an injectable fetcher,
@@ -49,7 +50,7 @@ from sglang_carry.registry import Fetcher, fetch_url, index_files, index_url, ne
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
 from sglang_carry.testenv import test_envs  # noqa: E402
 
-STEPS = ("build", "verify", "cpu-tests", "gpu-tests", "e2e")
+STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e")
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
 
 
@@ -185,7 +186,7 @@ class Nightly:
         return str(env.python)
 
     def run(self) -> int:
-        for folder in ("logs", "wheels", "gpu", "e2e"):
+        for folder in ("logs", "wheels", "gpu", "e2e", "e2e-cpu"):
             (self.out / folder).mkdir(parents=True, exist_ok=True)
         started = self.clock()
         carry = str(self.root / "scripts" / "carry")
@@ -231,9 +232,11 @@ class Nightly:
         if applied.status == PASS:
             self.run_cpu_tests(row, line)
         if line.name != "sglang":
+            self._skip(row, "e2e-cpu", f"no end-to-end test for {line.name}")
             self._skip(row, "gpu-tests", f"no GPU tests for {line.name}")
             self._skip(row, "e2e", f"no end-to-end test for {line.name}")
             return
+        self.run_cpu_e2e(row, line)
         if self.cuda is not None:
             self._skip(row, "gpu-tests", self.cuda)
             self._skip(row, "e2e", self.cuda)
@@ -271,6 +274,21 @@ class Nightly:
             return
         pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/upstream/{line.name}"]
         self._step(row, "cpu-tests", pytest)
+
+    def run_cpu_e2e(self, row: str, line: Line) -> None:
+        """A real server on CPU, one rank and two (ci/e2e/run_e2e.py --device cpu)."""
+        try:
+            python = self.test_python(line)
+        except CarryError as error:
+            self.results[row]["e2e-cpu"] = StepResult(FAIL, str(error))
+            return
+        e2e_out = self.out / "e2e-cpu" / line.version
+        script = str(self.root / "ci" / "e2e" / "run_e2e.py")
+        self._step(
+            row,
+            "e2e-cpu",
+            [python, script, "--device", "cpu", "--upstream", line.version, "--out", str(e2e_out)],
+        )
 
     def run_canary(self, carry: str) -> None:
         versions = [Version(line.version) for line in self.lines if line.name == "sglang"]

@@ -153,11 +153,17 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
         "build": "pass",
         "verify": "pass",
         "cpu-tests": "pass",
+        "e2e-cpu": "pass",
         "gpu-tests": "skipped",
         "e2e": "skipped",
     }
     assert line["gpu-tests"]["reason"] == "--no-gpu"
     assert summary["lines"]["kvcached 0.1.6"]["gpu-tests"]["reason"] == "no GPU tests for kvcached"
+    assert summary["lines"]["kvcached 0.1.6"]["e2e-cpu"]["reason"] == "no end-to-end test for kvcached"
+    # Without a GPU too, every sglang line gets a real server on CPU, in its own test environment.
+    e2e_cpu = project.commands("--device")
+    assert [argv[argv.index("--upstream") + 1] for argv in e2e_cpu] == ["0.5.20", "0.5.21"]
+    assert all(argv[1].endswith("ci/e2e/run_e2e.py") and argv[2:4] == ["--device", "cpu"] for argv in e2e_cpu)
     wheel = summary["wheels"]["sglang 0.5.20"]
     assert wheel["sha256"] == hashlib.sha256(b"sglang 0.5.20").hexdigest()
     assert (tmp_path / "out" / "wheels" / wheel["file"]).is_file()
@@ -170,10 +176,14 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     pytest_runs = [argv for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
     assert [Path(argv[0]).parts[-3] for argv in pytest_runs] == [".venv-test", ".venv-test-t521"]
     builds = [argv[-1] for argv in project.commands("test_env.py")]
-    assert builds == ["torch2.13", "torch2.13", "t521"]  # kvcached 0.1.6, sglang 0.5.20, 0.5.21
+    # kvcached 0.1.6, sglang 0.5.20 (cpu-tests, e2e-cpu), 0.5.21 (the same): the fake never has one
+    assert builds == ["torch2.13", "torch2.13", "torch2.13", "t521", "t521"]
     assert summary["canary"]["status"] == "skipped"
     assert "not newer" in summary["canary"]["reason"]
-    assert "| sglang 0.5.20 | pass (2 s) | pass (2 s) | pass (2 s) | skipped: --no-gpu |" in markdown
+    assert (
+        "| sglang 0.5.20 | pass (2 s) | pass (2 s) | pass (2 s) | pass (2 s) | skipped: --no-gpu |"
+        in markdown
+    )
 
 
 def test_line_test_environment_is_used_when_built(tmp_path: Path) -> None:
