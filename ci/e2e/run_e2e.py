@@ -707,6 +707,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help="GPU: dense,hybrid (CPU: dense only)")
     parser.add_argument("--runs", default=",".join(CPU_RUNS), help="CPU: which runs, in this order")
     parser.add_argument("--python", default=sys.executable, help="GPU: the interpreter that runs the servers")
+    parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)
+    parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run's traffic, at most")
     args = parser.parse_args(argv)
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -764,7 +766,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             flags = [*extra, *(["--tp-size", str(spec.tp)] if spec.tp > 1 else [])]
             command = server_command(python, models[model], port, flags)
             control = controls.get(spec.control_name) if spec.kind != CONTROL else None
-            run, outcomes = run_once(model, spec, command, out, env, pythonpath, control, port)
+            run, outcomes = run_once(
+                model,
+                spec,
+                command,
+                out,
+                env,
+                pythonpath,
+                control,
+                port,
+                run_timeout_s=args.run_timeout_s,
+                request_timeout_s=args.request_timeout_s,
+            )
             if spec.kind == CONTROL:
                 controls[spec.name] = {o.key: o.output_ids for o in outcomes if o.ok}
             runs.append(run)

@@ -357,6 +357,9 @@ def test_flags_and_configs_are_what_sglang_reads(tmp_path: Path) -> None:
         args = parser.parse_args(run_e2e.server_command("python", tmp_path / name, 1, extra)[3:])
         assert args.enable_hierarchical_cache and args.hicache_write_policy == "write_through"
         assert args.skip_tokenizer_init and args.max_total_tokens == 1024
+    cpu = [*run_e2e.CPU_FLAGS, "--tp-size", "2"]
+    args = parser.parse_args(run_e2e.server_command("python", tmp_path / "dense", 1, cpu)[3:])
+    assert (args.device, args.attention_backend, args.tp_size) == ("cpu", "torch_native", 2)
     config = get_config(str(models["hybrid"]), trust_remote_code=False)
     assert type(config).__name__ == "Qwen3_5TextConfig"
     assert config.full_attention_layer_ids == [3]  # hybrid: three Gated DeltaNet layers, one attention
