@@ -266,28 +266,24 @@ class Nightly:
             ],
         )
 
-    def run_cpu_tests(self, row: str, line: Line) -> None:
+    def _step_in_test_env(self, row: str, line: Line, step: str, args: Sequence[str]) -> None:
+        """A step run by the line's own test environment's interpreter (built if missing)."""
         try:
             python = self.test_python(line)
         except CarryError as error:
-            self.results[row]["cpu-tests"] = StepResult(FAIL, str(error))
+            self.results[row][step] = StepResult(FAIL, str(error))
             return
-        pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/upstream/{line.name}"]
-        self._step(row, "cpu-tests", pytest)
+        self._step(row, step, [python, *args])
+
+    def run_cpu_tests(self, row: str, line: Line) -> None:
+        pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/upstream/{line.name}"]
+        self._step_in_test_env(row, line, "cpu-tests", pytest)
 
     def run_cpu_e2e(self, row: str, line: Line) -> None:
         """A real server on CPU, one rank and two (ci/e2e/run_e2e.py --device cpu)."""
-        try:
-            python = self.test_python(line)
-        except CarryError as error:
-            self.results[row]["e2e-cpu"] = StepResult(FAIL, str(error))
-            return
-        e2e_out = self.out / "e2e-cpu" / line.version
-        script = str(self.root / "ci" / "e2e" / "run_e2e.py")
-        self._step(
-            row,
-            "e2e-cpu",
-            [python, script, "--device", "cpu", "--upstream", line.version, "--out", str(e2e_out)],
+        e2e = [str(self.root / "ci" / "e2e" / "run_e2e.py"), "--device", "cpu", "--upstream", line.version]
+        self._step_in_test_env(
+            row, line, "e2e-cpu", [*e2e, "--out", str(self.out / "e2e-cpu" / line.version)]
         )
 
     def run_canary(self, carry: str) -> None:
