@@ -114,6 +114,19 @@ def test_hook_misses_only_on_the_ranks_it_is_told(monkeypatch: pytest.MonkeyPatc
     assert injector.counts["injected_misses"] == 1 and injector.counts["eligible_allocations"] == 2
 
 
+def test_hook_hides_free_tokens_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = type("Allocator", (), {"available_size": lambda self: 500})
+    paged = type("Paged", (base,), {"available_size": lambda self: 100})
+    assert hook.hide_free_tokens([base, paged], rank=0, tokens=300) == [
+        "Allocator.available_size",
+        "Paged.available_size",
+    ]
+    monkeypatch.setattr(hook, "tp_rank", lambda: 0)
+    assert (base().available_size(), paged().available_size()) == (200, 0)
+    monkeypatch.setattr(hook, "tp_rank", lambda: 1)
+    assert (base().available_size(), paged().available_size()) == (500, 100)
+
+
 def test_hook_counts_unwinds_and_records_the_schedulers_own_error(tmp_path: Path) -> None:
     def allocation_error() -> None:
         raise RuntimeError("Out of memory. Try to lower your batch size.")
