@@ -2,7 +2,8 @@
 server's extra dependencies, all made from this checkout by the tool's library.
 
 - the pristine wheel: the pin's file (fetched, hash-checked, if missing);
-- the patched wheel: dist/<the line's artifact>, built (`carry build`) if missing;
+- the patched wheel: dist/<the line's artifact>; if missing, the line is laid down (`carry apply`:
+  upstream/sglang is then on carry/V, as after `./scripts/build`) and the wheel built;
 - the series without its load wait: the line's series minus the entry whose `Test:` is
   LOAD_WAIT_TEST, applied with `git am` onto upstream/V in a scratch worktree and exported as a
   folder (the worktree is removed again: nothing is left in upstream/sglang but objects);
@@ -18,6 +19,7 @@ import hashlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from sglang_carry.errors import CarryError  # noqa: E402
 from sglang_carry.fetch import fetch  # noqa: E402
-from sglang_carry.git import Git  # noqa: E402
+from sglang_carry.git import Git, summarize_git_output  # noqa: E402
 from sglang_carry.patching import apply  # noqa: E402
 from sglang_carry.pins import select_file  # noqa: E402
 from sglang_carry.project import Project, Target, select_targets  # noqa: E402
@@ -76,13 +78,14 @@ def ensure_interpreter(project: Project, target: Target) -> tuple[Path, Path]:
 
 
 def patched_wheel(project: Project, target: Target) -> Path:
-    """dist/<the line's wheel>, built when it is not there (after laying the line down)."""
+    """dist/<the line's wheel>; when it is not there, the line is laid down and the wheel built."""
     series = project.series(target.release)
     pinned = project.downloads_dir / select_file(target.release).filename
     local = f"{target.version}+carry.{series.revision}"
     wheel = project.dist_dir / artifact_name(pinned, target.version, local)
     if not wheel.exists():
         print(f"e2e: building {wheel.name}", flush=True)
+        apply(project, target)
         wheel = build(project, target)
     return wheel
 
@@ -102,7 +105,11 @@ def tree_without(project: Project, target: Target, left_out: str, dest: Path) ->
     """The line's series minus one entry, applied onto upstream/<version>, as a folder at dest."""
     series = project.series(target.release)
     git = Git(project.checkout(target.name))
-    scratch = project.scratch_dir / "e2e-worktrees" / f"{target.version}-without"
+    (project.scratch_dir / "e2e-worktrees").mkdir(parents=True, exist_ok=True)
+    # Its own folder per run: two runs side by side never remove each other's worktree.
+    scratch = Path(
+        tempfile.mkdtemp(prefix=f"{target.version}-without-", dir=project.scratch_dir / "e2e-worktrees")
+    )
     git.fresh_worktree(scratch, target.upstream_tag)
     try:
         work = Git(scratch)
@@ -111,8 +118,9 @@ def tree_without(project: Project, target: Target, left_out: str, dest: Path) ->
         if done.returncode != 0:
             work.run("am", "--abort", check=False)
             raise CarryError(
-                f"{series.label} without {left_out} does not apply to {target.label}: the later entries "
-                "need it; the e2e cannot build the tree without the load wait"
+                f"{series.label} without {left_out} does not apply to {target.label} "
+                f"({summarize_git_output(done.output)}): a later entry depends on it, so the e2e cannot "
+                "make the tree without the load wait; port that entry so it stands without it"
             )
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
@@ -126,6 +134,7 @@ def tree_without(project: Project, target: Target, left_out: str, dest: Path) ->
     finally:
         git.run("worktree", "remove", "--force", str(scratch), check=False)
         git.run("worktree", "prune", check=False)
+        shutil.rmtree(scratch, ignore_errors=True)
     return dest / subdir if subdir else dest
 
 
@@ -145,7 +154,6 @@ def prepare(version: str | None, out: Path) -> CpuLine:
     project = Project(ROOT)
     target = line_target(project, version)
     fetch(project, [target])
-    apply(project, target)
     python, deps = ensure_interpreter(project, target)
     left_out = load_wait_entry(project, target)
     return CpuLine(

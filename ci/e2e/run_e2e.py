@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -88,8 +89,9 @@ RUN_TIMEOUT_S = 600
 MISS_LIMIT = 3
 STARTUP_TIMEOUT_S = 900
 UNWIND_LOG = re.compile(r"Prefill allocation (missed|diverged across ranks); unwound")
-# The pristine scheduler's own exception must come from sglang's KV allocation code.
-ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/")
+# The pristine scheduler's own exception must be raised where sglang allocates a prefill batch: the
+# allocation helpers (a KV or row miss) or the pools (a Mamba or ping-pong slot assert).
+ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/(allocation|memory_pool)\.py:")
 # CPU servers: sglang's CPU engine, its native attention (the x86 default needs AMX kernels).
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native"]
 
@@ -342,13 +344,13 @@ def generate(base_url: str, request: Request, timeout_s: float = REQUEST_TIMEOUT
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
         }
     ).encode()
-    http = urllib.request.Request(
+    post = urllib.request.Request(
         f"{base_url}/generate", data=body, headers={"Content-Type": "application/json"}, method="POST"
     )
     try:
-        with urllib.request.urlopen(http, timeout=timeout_s) as response:
+        with urllib.request.urlopen(post, timeout=timeout_s) as response:
             answer = json.load(response)
-    except (urllib.error.URLError, OSError, ValueError) as error:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as error:
         return Outcome(request.key, False, error=f"{type(error).__name__}: {error}")
     meta = answer.get("meta_info", {})
     details = meta.get("cached_tokens_details") or {}
@@ -372,7 +374,12 @@ def drive(
     request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> list[Outcome]:
     """Send every wave (CONCURRENCY at a time), stopping early once the server is gone or the
-    run's deadline (time.monotonic()) has passed."""
+    run's deadline (time.monotonic()) has passed; no request outlives the deadline."""
+
+    def timeout(deadline: float | None) -> float:
+        left = request_timeout_s if deadline is None else deadline - time.monotonic()
+        return max(0.1, min(request_timeout_s, left))
+
     outcomes: list[Outcome] = []
     with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
         for wave in waves:
@@ -382,7 +389,7 @@ def drive(
             if deadline is not None and time.monotonic() >= deadline:
                 outcomes += [Outcome(r.key, False, error="run timed out") for r in wave]
                 continue
-            outcomes += list(pool.map(lambda r: generate(base_url, r, request_timeout_s), wave))
+            outcomes += list(pool.map(lambda r: generate(base_url, r, timeout(deadline)), wave))
     return outcomes
 
 
@@ -409,8 +416,6 @@ class RunSpec:
     # Where misses are injected (None: every rank) and whether the pool is marked rank-local.
     miss_ranks: tuple[int, ...] | None = None
     rank_local: bool = False
-    # (rank, tokens): that rank's KV allocator reports that many fewer free tokens.
-    hidden_tokens: tuple[int, int] | None = None
     # Environment this run's server needs beyond the others'.
     extra_env: tuple[tuple[str, str], ...] = ()
 
@@ -467,8 +472,18 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
 
 
 def died_of_allocation(run: Run) -> list[str]:
-    """The ranks whose scheduler's own exception was raised in sglang's allocation code."""
-    return sorted(rank for rank, error in run.died_with.items() if ALLOCATION_CODE.search(error))
+    """The ranks that had a miss injected and whose scheduler's own exception was raised in
+    sglang's prefill allocation code."""
+    return sorted(
+        rank
+        for rank, error in run.died_with.items()
+        if ALLOCATION_CODE.search(error) and run.misses.get(rank, 0) > 0
+    )
+
+
+def complete(control: dict[str, list[int]] | None) -> bool:
+    """A control run to compare with: it answered every request of the traffic."""
+    return control is not None and set(control) == {r.key for wave in plan_traffic() for r in wave}
 
 
 def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | None) -> None:
@@ -476,15 +491,18 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
     run.finished = sum(o.ok for o in outcomes)
     run.failed = len(outcomes) - run.finished
     run.host_cached_tokens = sum(o.host_cached for o in outcomes)
-    run.hung = run.hung or (not run.server_died and any(timed_out(o) for o in outcomes))
     everything = run.failed == 0 and run.started
-    if control is not None and everything:
+    if control is not None and complete(control) and everything:
         run.outputs_differing = sum(o.output_ids != control.get(o.key) for o in outcomes)
         run.outputs_equal_control = run.outputs_differing == 0
     every_rank = [str(rank) for rank in range(run.tp)]
     unwound_everywhere = all(run.unwinds.get(rank, 0) > 0 for rank in every_rank)
-    if run.kind in INJECTING and run.started and run.injected_misses == 0:
+    if not run.started:
+        run.ok, run.verdict = False, "the server never became healthy"
+    elif run.kind in INJECTING and run.injected_misses == 0:
         run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
+    elif run.kind in (PATCHED, WITHOUT_LOAD_WAIT) and not complete(control):
+        run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
         run.ok, run.verdict = (
             False,
@@ -596,8 +614,6 @@ def run_once(
         env["CARRY_E2E_MISS_RANKS"] = ",".join(map(str, spec.miss_ranks))
     if spec.rank_local:
         env["CARRY_E2E_RANK_LOCAL"] = "1"
-    if spec.hidden_tokens is not None:
-        env["CARRY_E2E_HIDE_TOKENS"] = "{}:{}".format(*spec.hidden_tokens)
     env.update(spec.extra_env)
     server = Server.start(command, env, out / run.log, port)
     memory = PeakMemory(server.process.pid)
@@ -607,7 +623,8 @@ def run_once(
         if run.started:
             deadline = time.monotonic() + run_timeout_s
             outcomes = drive(server.base_url, plan_traffic(), server.alive, deadline, request_timeout_s)
-            run.hung = server.alive() and any(o.error == "run timed out" for o in outcomes)
+            # Requests that timed out while the server was still up: it hung (it may die later).
+            run.hung = server.alive() and any(timed_out(o) for o in outcomes)
             time.sleep(1.0)  # let a dying scheduler take the server down before we look
         run.server_died = not server.alive()
     finally:
@@ -681,9 +698,6 @@ def cpu_specs(line: Any, out: Path, names: Sequence[str]) -> list[RunSpec]:
         two_ranks("tp2-control", CONTROL, patched),
         two_ranks("tp2-pristine", PRISTINE, pristine, miss_ranks=(1,)),
         two_ranks("tp2-patched", PATCHED, patched, miss_ranks=(1,)),
-        # Not run by default: the ranks' capacity differs (rank 0 sees 400 fewer free tokens), the
-        # case the rank agreement after admission does not cover yet.
-        two_ranks("tp2-uneven", PATCHED, patched, miss_ranks=(1,), hidden_tokens=(0, 400)),
     ]
     return [spec for spec in every if spec.name in names]
 
@@ -708,8 +722,6 @@ CPU_RUNS = (
     "tp2-pristine",
     "tp2-patched",
 )
-# Runs only on request (--runs): what they show is not the series' contract yet.
-CPU_EXTRA_RUNS = ("tp2-uneven",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -734,25 +746,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     plans: list[tuple[str, list[str], list[RunSpec], list[Path], str]] = []
     if args.device == "cpu":
         names = [n for n in args.runs.split(",") if n]
-        unknown = sorted(set(names) - set(CPU_RUNS) - set(CPU_EXTRA_RUNS))
+        unknown = sorted(set(names) - set(CPU_RUNS))
         if unknown or (args.models not in (None, "dense")):
             what = f"unknown run(s) {', '.join(unknown)}" if unknown else f"--models {args.models}"
             print(
-                f"e2e: error: {what}: on CPU the runs are {', '.join(CPU_RUNS + CPU_EXTRA_RUNS)},"
-                " the model dense",
+                f"e2e: error: {what}: on CPU the runs are {', '.join(CPU_RUNS)}, the model dense",
+                file=sys.stderr,
+            )
+            return 2
+        needs = {name: f"tp2-{CONTROL}" if name.startswith("tp2-") else CONTROL for name in names}
+        missing = [
+            f"{name} needs {needs[name]}"
+            for name in names
+            if name in (PATCHED, WITHOUT_LOAD_WAIT, "tp2-patched") and needs[name] not in names
+        ]
+        if missing:
+            print(
+                f"e2e: error: --runs: {'; '.join(missing)} (its outputs are compared with it)",
                 file=sys.stderr,
             )
             return 2
         try:
             line = cpu_line.prepare(args.upstream, out)
-        except (cpu_line.CarryError, subprocess.CalledProcessError) as error:
+            specs = cpu_specs(line, out, names)
+        except (cpu_line.CarryError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as error:
             print(f"e2e: error: the line cannot be prepared: {error}", file=sys.stderr)
             return 2
         env = cpu_env(env, out)
-        python = str(line.python)
-        plans.append(
-            ("dense", CPU_FLAGS, cpu_specs(line, out, names), [CPU_STANDINS, line.server_deps], python)
-        )
+        plans.append(("dense", CPU_FLAGS, specs, [CPU_STANDINS, line.server_deps], str(line.python)))
         report |= {
             "upstream": line.version,
             "wheel": line.patched_wheel.name,

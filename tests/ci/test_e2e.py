@@ -114,19 +114,6 @@ def test_hook_misses_only_on_the_ranks_it_is_told(monkeypatch: pytest.MonkeyPatc
     assert injector.counts["injected_misses"] == 1 and injector.counts["eligible_allocations"] == 2
 
 
-def test_hook_hides_free_tokens_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    base = type("Allocator", (), {"available_size": lambda self: 500})
-    paged = type("Paged", (base,), {"available_size": lambda self: 100})
-    assert hook.hide_free_tokens([base, paged], rank=0, tokens=300) == [
-        "Allocator.available_size",
-        "Paged.available_size",
-    ]
-    monkeypatch.setattr(hook, "tp_rank", lambda: 0)
-    assert (base().available_size(), paged().available_size()) == (200, 0)
-    monkeypatch.setattr(hook, "tp_rank", lambda: 1)
-    assert (base().available_size(), paged().available_size()) == (500, 100)
-
-
 def test_hook_counts_unwinds_and_records_the_schedulers_own_error(tmp_path: Path) -> None:
     def allocation_error() -> None:
         raise RuntimeError("Out of memory. Try to lower your batch size.")
@@ -290,6 +277,27 @@ def test_a_broken_expectation_fails(
 ) -> None:
     run, _ = _run(tmp_path, mode, spec, control_outputs, request_timeout_s=3)
     assert not run.ok and verdict in run.verdict, run
+
+
+def test_outputs_are_compared_only_with_a_complete_control(
+    tmp_path: Path, control_outputs: dict[str, list[int]]
+) -> None:
+    partial = dict(list(control_outputs.items())[:-1])  # a control run that lost a request
+    for mode, spec in (("patched", PATCHED), ("skewed", WITHOUT)):
+        run, _ = _run(tmp_path, mode, spec, partial)
+        assert not run.ok and run.verdict == "no complete control run to compare the outputs with", run
+        assert run.outputs_differing is None
+
+
+def test_runs_that_compare_outputs_need_their_control(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        run_e2e.main(["--device", "cpu", "--out", str(tmp_path), "--runs", "patched,tp2-control,tp2-patched"])
+        == 2
+    )
+    assert "patched needs control" in capsys.readouterr().err
+    assert run_e2e.main(["--device", "cpu", "--out", str(tmp_path), "--runs", "no-such-run"]) == 2
 
 
 def test_control_without_host_hits_fails(

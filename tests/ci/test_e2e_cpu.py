@@ -105,10 +105,18 @@ def test_a_stream_context_can_be_entered_again() -> None:
         assert cpu.current_stream() is not copies
 
 
-def test_a_failed_copy_is_raised_on_the_next_use_of_its_stream() -> None:
+def test_a_failed_copy_is_raised_by_the_next_use_and_by_any_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     copies = cpu.CopyStream("failing", delay_s=0.0)
-    copies.enqueue(lambda: 1 / 0)
-    copies.synchronize()
+    monkeypatch.setattr(cpu, "_copy_streams", [copies])
+    landed = cpu.Event()
+    with cpu.stream(copies):
+        cpu.on_current_stream(lambda: 1 / 0)
+        landed.record()
+    deadline = time.monotonic() + 10
+    while not copies.query() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="failing failed earlier"):
+        cpu.current_stream().wait_event(landed)  # the record after it completed; the copy did not
     with pytest.raises(RuntimeError, match="failing failed earlier"):
         copies.enqueue(lambda: None)
 

@@ -66,6 +66,7 @@ class Event:
         with self._changed:
             if not self._changed.wait_for(lambda: self._completed >= target, WAIT_TIMEOUT_S):
                 raise RuntimeError(f"carry-e2e-cpu: an event was not reached within {WAIT_TIMEOUT_S} s")
+        raise_copy_failures()
 
     def _pending_target(self) -> int:
         with self._changed:
@@ -128,9 +129,12 @@ class CopyStream(HostStream):
         threading.Thread(target=self._run, name=f"carry-e2e-{name}", daemon=True).start()
 
     def enqueue(self, work: Callable[[], None], delayed: bool = False) -> None:
+        self.raise_failure()
+        self._work.put((work, delayed))
+
+    def raise_failure(self) -> None:
         if self._failure is not None:
             raise RuntimeError(f"carry-e2e-cpu: {self.name} failed earlier: {self._failure!r}")
-        self._work.put((work, delayed))
 
     def _run(self) -> None:
         while True:
@@ -200,6 +204,12 @@ def stream(selected: HostStream | None) -> StreamContext:
 _copy_streams: list[CopyStream] = []
 
 
+def raise_copy_failures() -> None:
+    """After any wait: a copy that failed must not pass for one that landed."""
+    for copy_stream in _copy_streams:
+        copy_stream.raise_failure()
+
+
 def synchronize(device: Any = None) -> None:
     for copy_stream in _copy_streams:
         copy_stream.synchronize()
@@ -224,7 +234,8 @@ def rows_at(address: int, rows: int, row_bytes: int) -> torch.Tensor:
 
 
 def byte_rows(tensor: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    return tensor.view(torch.uint8).reshape(-1, row_bytes)
+    """A tensor's memory as rows of bytes (a view: a non-contiguous tensor fails loudly)."""
+    return tensor.view(torch.uint8).view(-1, row_bytes)
 
 
 def transfer_kv_per_layer_pf_lf(

@@ -13,9 +13,7 @@ directly) and `prepare_for_extend` where it does not (pristine). At most CARRY_E
 misses (default 3) are injected per rank, each on the first allocation of such a batch, and only
 on the ranks CARRY_E2E_MISS_RANKS names (comma-separated; default: every rank), as a per-rank
 elastic pool misses on one rank only. CARRY_E2E_RANK_LOCAL=1 marks the KV allocators
-`rank_local_capacity` on every rank, as a kvcached pool is. CARRY_E2E_HIDE_TOKENS=RANK:N makes the
-KV allocator of that rank report N fewer free tokens (`available_size()`), as a kvcached pool
-does when a co-tenant holds memory on that GPU only: the ranks' capacity differs.
+`rank_local_capacity` on every rank, as a kvcached pool is.
 
 Observed per process (its TP rank recorded): eligible allocations, injected misses, loads started,
 prefill unwinds (the scheduler's unwind, where the tree has one), and the exception the
@@ -161,26 +159,6 @@ def wrap_allocators(classes: Sequence[type], injector: Injector) -> list[str]:
     return wrapped
 
 
-def hide_free_tokens(classes: Sequence[type], rank: int, tokens: int) -> list[str]:
-    """On `rank`, `available_size()` reports `tokens` fewer free tokens (never below 0)."""
-    wrapped = []
-    for cls in classes:
-        real = cls.__dict__.get("available_size")
-        if real is None:
-            continue
-
-        def make(real: Callable[..., int]) -> Callable[..., int]:
-            def available_size(self: Any, *args: Any, **kwargs: Any) -> int:
-                free = real(self, *args, **kwargs)
-                return max(0, free - tokens) if tp_rank() == rank else free
-
-            return available_size
-
-        cls.available_size = make(real)  # type: ignore[attr-defined]
-        wrapped.append(f"{cls.__name__}.available_size")
-    return wrapped
-
-
 def wrap_start_loading(controller_class: type, injector: Injector) -> None:
     real = controller_class.start_loading  # type: ignore[attr-defined]
 
@@ -270,7 +248,6 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
         frozenset(int(r) for r in ranks.split(",") if r.strip()) if ranks.strip() else None,
     )
     rank_local = env.get("CARRY_E2E_RANK_LOCAL") == "1"
-    hidden = env.get("CARRY_E2E_HIDE_TOKENS", "")
 
     def patch_batch(module: Any) -> None:
         wrap_batch_allocation(module.ScheduleBatch, injector)
@@ -281,9 +258,6 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
             wrap_allocators([base, *all_subclasses(base)], injector)
             if rank_local:
                 base.rank_local_capacity = True
-            if hidden:
-                rank, tokens = (int(part) for part in hidden.split(":"))
-                hide_free_tokens([base, *all_subclasses(base)], rank, tokens)
 
     def patch_controller(module: Any) -> None:
         wrap_start_loading(module.HiCacheController, injector)
