@@ -66,8 +66,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import cpu_line  # beside this file
+import cpu_line  # beside this file (it puts the tool's package on sys.path)
 from cpu_line import unpack_wheel
+
+from sglang_carry.errors import CarryError
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOK = Path(__file__).resolve().parent / "hook"
@@ -656,7 +658,7 @@ def official_wheel_of(patched: Path) -> Path:
     """The upstream wheel a patched wheel was built from, in upstream/.downloads (its provenance)."""
     with zipfile.ZipFile(patched) as archive:
         name = next(n for n in archive.namelist() if n.endswith("sglang_carry_provenance.json"))
-        upstream = json.loads(archive.read(name))["upstream"]["file"]
+        upstream: str = json.loads(archive.read(name))["upstream"]["file"]
     return ROOT / "upstream" / ".downloads" / upstream
 
 
@@ -769,7 +771,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             line = cpu_line.prepare(args.upstream, out)
             specs = cpu_specs(line, out, names)
-        except (cpu_line.CarryError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as error:
+        except (CarryError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as error:
             print(f"e2e: error: the line cannot be prepared: {error}", file=sys.stderr)
             return 2
         env = cpu_env(env, out)

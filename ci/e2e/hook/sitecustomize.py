@@ -199,9 +199,11 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
 
 
 def all_subclasses(cls: type) -> list[type]:
-    found, stack = [], [cls]
+    found: list[type] = []
+    stack = [cls]
     while stack:
-        for sub in stack.pop().__subclasses__():
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for sub in subclasses:
             if sub not in found:
                 found.append(sub)
                 stack.append(sub)
