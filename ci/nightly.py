@@ -198,7 +198,13 @@ class Nightly:
             self.cuda = "--canary-only"
         else:
             self.cuda = self.detect_cuda()
-            self._step("project", "cpu-tests", [str(self.root / "scripts" / "test"), "-q", "tests/tool"])
+            # The end-to-end test runs per line (e2e-cpu), not once more here.
+            self._step(
+                "project",
+                "cpu-tests",
+                [str(self.root / "scripts" / "test"), "-q", "tests/tool"],
+                env={"CARRY_TEST_E2E": "0"},
+            )
             for line in run_here:
                 self.run_line(line, carry)
         if self.options.no_canary:
