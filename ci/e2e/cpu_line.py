@@ -5,8 +5,9 @@ server's extra dependencies, all made from this checkout by the tool's library.
 - the patched wheel: dist/<the line's artifact>; if missing, the line is laid down (`carry apply`:
   upstream/sglang is then on carry/V, as after `./scripts/build`) and the wheel built;
 - the series without its load wait: the line's series minus the entry whose `Test:` is
-  LOAD_WAIT_TEST, applied with `git am` onto upstream/V in a scratch worktree and exported as a
-  folder (the worktree is removed again: nothing is left in upstream/sglang but objects);
+  LOAD_WAIT_TEST, applied with `git am` onto upstream/V in a scratch worktree, whose package
+  folder is copied out (the worktree is then removed: nothing is left in upstream/sglang but
+  objects);
 - the interpreter: the line's test environment (ci/test-envs.toml), built if missing, plus its
   `e2e_server_lock` installed into <venv>/carry-e2e-server (stamped with the lock's sha256),
   which only the servers get on their PYTHONPATH.
@@ -33,6 +34,7 @@ from sglang_carry.git import Git, summarize_git_output  # noqa: E402
 from sglang_carry.patching import apply  # noqa: E402
 from sglang_carry.pins import select_file  # noqa: E402
 from sglang_carry.project import Project, Target, select_targets  # noqa: E402
+from sglang_carry.series import Series  # noqa: E402
 from sglang_carry.testenv import env_for  # noqa: E402
 from sglang_carry.wheel import artifact_name, build  # noqa: E402
 
@@ -77,9 +79,8 @@ def ensure_interpreter(project: Project, target: Target) -> tuple[Path, Path]:
     return env.python, target_dir
 
 
-def patched_wheel(project: Project, target: Target) -> Path:
+def patched_wheel(project: Project, target: Target, series: Series) -> Path:
     """dist/<the line's wheel>; when it is not there, the line is laid down and the wheel built."""
-    series = project.series(target.release)
     pinned = project.downloads_dir / select_file(target.release).filename
     local = f"{target.version}+carry.{series.revision}"
     wheel = project.dist_dir / artifact_name(pinned, target.version, local)
@@ -90,8 +91,7 @@ def patched_wheel(project: Project, target: Target) -> Path:
     return wheel
 
 
-def load_wait_entry(project: Project, target: Target) -> str:
-    series = project.series(target.release)
+def load_wait_entry(series: Series) -> str:
     found = [e.filename for e in series.entries if any(t.startswith(LOAD_WAIT_TEST) for t in e.tests)]
     if len(found) != 1:
         raise CarryError(
@@ -101,9 +101,8 @@ def load_wait_entry(project: Project, target: Target) -> str:
     return found[0]
 
 
-def tree_without(project: Project, target: Target, left_out: str, dest: Path) -> Path:
+def tree_without(project: Project, target: Target, series: Series, left_out: str, dest: Path) -> Path:
     """The line's series minus one entry, applied onto upstream/<version>, as a folder at dest."""
-    series = project.series(target.release)
     git = Git(project.checkout(target.name))
     (project.scratch_dir / "e2e-worktrees").mkdir(parents=True, exist_ok=True)
     # Its own folder per run: two runs side by side never remove each other's worktree.
@@ -122,20 +121,16 @@ def tree_without(project: Project, target: Target, left_out: str, dest: Path) ->
                 f"({summarize_git_output(done.output)}): a later entry depends on it, so the e2e cannot "
                 "make the tree without the load wait; port that entry so it stands without it"
             )
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True)
         subdir = target.upstream.source_subdir
-        archive = subprocess.run(
-            ["git", "-C", str(scratch), "archive", "--format=tar", "HEAD", *([subdir] if subdir else [])],
-            check=True,
-            capture_output=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        tree = dest / subdir if subdir else dest
+        shutil.rmtree(dest, ignore_errors=True)
+        # The package folder only: the worktree's own .git file stays behind with the worktree.
+        shutil.copytree(scratch / subdir if subdir else scratch, tree, ignore=shutil.ignore_patterns(".git"))
     finally:
         git.run("worktree", "remove", "--force", str(scratch), check=False)
         git.run("worktree", "prune", check=False)
         shutil.rmtree(scratch, ignore_errors=True)
-    return dest / subdir if subdir else dest
+    return tree
 
 
 def unpack_wheel(wheel: Path, dest: Path) -> Path:
@@ -155,13 +150,16 @@ def prepare(version: str | None, out: Path) -> CpuLine:
     target = line_target(project, version)
     fetch(project, [target])
     python, deps = ensure_interpreter(project, target)
-    left_out = load_wait_entry(project, target)
+    series = project.series(target.release)
+    left_out = load_wait_entry(series)
     return CpuLine(
         version=target.version,
         python=python,
         server_deps=deps,
         pristine_wheel=project.downloads_dir / select_file(target.release).filename,
-        patched_wheel=patched_wheel(project, target),
-        without_load_wait=tree_without(project, target, left_out, out / "trees" / "without-load-wait"),
+        patched_wheel=patched_wheel(project, target, series),
+        without_load_wait=tree_without(
+            project, target, series, left_out, out / "trees" / "without-load-wait"
+        ),
         load_wait_entry=left_out,
     )
