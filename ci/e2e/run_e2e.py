@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -64,7 +65,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import cpu_line  # beside this file (it puts the tool's package on sys.path)
 from cpu_line import unpack_wheel
@@ -378,7 +379,7 @@ def drive(
     """Send every wave (CONCURRENCY at a time), stopping early once the server is gone or the
     run's deadline (time.monotonic()) has passed; no request outlives the deadline."""
 
-    def timeout(deadline: float | None) -> float:
+    def timeout() -> float:
         left = request_timeout_s if deadline is None else deadline - time.monotonic()
         return max(0.1, min(request_timeout_s, left))
 
@@ -391,7 +392,7 @@ def drive(
             if deadline is not None and time.monotonic() >= deadline:
                 outcomes += [Outcome(r.key, False, error="run timed out") for r in wave]
                 continue
-            outcomes += list(pool.map(lambda r: generate(base_url, r, timeout(deadline)), wave))
+            outcomes += list(pool.map(lambda r: generate(base_url, r, timeout()), wave))
     return outcomes
 
 
@@ -404,6 +405,8 @@ def timed_out(outcome: Outcome) -> bool:
 # --------------------------------------------------------------------------------------------
 CONTROL, PRISTINE, PATCHED, WITHOUT_LOAD_WAIT = "control", "pristine", "patched", "without-load-wait"
 INJECTING = (PRISTINE, PATCHED, WITHOUT_LOAD_WAIT)
+# The kinds whose outputs are compared with their control run's.
+COMPARING = (PATCHED, WITHOUT_LOAD_WAIT)
 
 
 @dataclass(frozen=True)
@@ -423,7 +426,7 @@ class RunSpec:
 
     @property
     def control_name(self) -> str:
-        return "control" if self.tp == 1 else f"tp{self.tp}-control"
+        return CONTROL if self.tp == 1 else f"tp{self.tp}-{CONTROL}"
 
 
 @dataclass
@@ -483,7 +486,7 @@ def died_of_allocation(run: Run) -> list[str]:
     )
 
 
-def complete(control: dict[str, list[int]] | None) -> bool:
+def complete(control: dict[str, list[int]] | None) -> TypeGuard[dict[str, list[int]]]:
     """A control run to compare with: it answered every request of the traffic."""
     return control is not None and set(control) == {r.key for wave in plan_traffic() for r in wave}
 
@@ -494,7 +497,7 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
     run.failed = len(outcomes) - run.finished
     run.host_cached_tokens = sum(o.host_cached for o in outcomes)
     everything = run.failed == 0 and run.started
-    if control is not None and complete(control) and everything:
+    if complete(control) and everything:
         run.outputs_differing = sum(o.output_ids != control.get(o.key) for o in outcomes)
         run.outputs_equal_control = run.outputs_differing == 0
     every_rank = [str(rank) for rank in range(run.tp)]
@@ -503,7 +506,7 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         run.ok, run.verdict = False, "the server never became healthy"
     elif run.kind in INJECTING and run.injected_misses == 0:
         run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
-    elif run.kind in (PATCHED, WITHOUT_LOAD_WAIT) and not complete(control):
+    elif run.kind in COMPARING and not complete(control):
         run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
         run.ok, run.verdict = (
@@ -644,16 +647,6 @@ def run_once(
     return run, outcomes
 
 
-def install_pristine(python: str, wheel: Path, target: Path) -> Path:
-    """The official wheel, unpacked into its own folder (first on the pristine run's PYTHONPATH)."""
-    if not (target / "sglang").is_dir():
-        subprocess.run(
-            [python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
-            check=True,
-        )
-    return target
-
-
 def official_wheel_of(patched: Path) -> Path:
     """The upstream wheel a patched wheel was built from, in upstream/.downloads (its provenance)."""
     with zipfile.ZipFile(patched) as archive:
@@ -681,27 +674,43 @@ def table(runs: Sequence[Run]) -> list[str]:
     return lines
 
 
-def two_ranks(name: str, kind: str, site: Path, **more: Any) -> RunSpec:
+def two_ranks(name: str, kind: str, **more: Any) -> RunSpec:
     """A --tp-size 2 run on CPU: the pool rank-local on both ranks (as a kvcached pool is), and
     each rank's OpenMP core named, which sglang's CPU engine requires with more than one rank."""
     omp = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"),)
-    return RunSpec(name, kind, site, tp=2, rank_local=True, extra_env=omp, **more)
+    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=omp, **more)
+
+
+# The CPU runs, in the order they run (each control before the runs compared with it), each with
+# what it serves: "pristine" and "patched" (the wheels), or the tree without the load wait.
+CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
+    (RunSpec(CONTROL, CONTROL), PATCHED),
+    (RunSpec(PRISTINE, PRISTINE), PRISTINE),
+    (RunSpec(PATCHED, PATCHED), PATCHED),
+    (RunSpec(WITHOUT_LOAD_WAIT, WITHOUT_LOAD_WAIT), WITHOUT_LOAD_WAIT),
+    (two_ranks("tp2-control", CONTROL), PATCHED),
+    (two_ranks("tp2-pristine", PRISTINE, miss_ranks=(1,)), PRISTINE),
+    (two_ranks("tp2-patched", PATCHED, miss_ranks=(1,)), PATCHED),
+)
+CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
+
+
+def runs_without_their_control(names: Sequence[str]) -> list[str]:
+    return [
+        f"{spec.name} needs {spec.control_name}"
+        for spec, _ in CPU_PLAN
+        if spec.name in names and spec.kind in COMPARING and spec.control_name not in names
+    ]
 
 
 def cpu_specs(line: Any, out: Path, names: Sequence[str]) -> list[RunSpec]:
-    sites = out / "sites"
-    pristine = unpack_wheel(line.pristine_wheel, sites / "pristine")
-    patched = unpack_wheel(line.patched_wheel, sites / "patched")
-    every = [
-        RunSpec(CONTROL, CONTROL, patched),
-        RunSpec(PRISTINE, PRISTINE, pristine),
-        RunSpec(PATCHED, PATCHED, patched),
-        RunSpec(WITHOUT_LOAD_WAIT, WITHOUT_LOAD_WAIT, line.without_load_wait),
-        two_ranks("tp2-control", CONTROL, patched),
-        two_ranks("tp2-pristine", PRISTINE, pristine, miss_ranks=(1,)),
-        two_ranks("tp2-patched", PATCHED, patched, miss_ranks=(1,)),
-    ]
-    return [spec for spec in every if spec.name in names]
+    """The chosen runs of CPU_PLAN, each with the folder it serves (the wheels are unpacked)."""
+    sites = {
+        PRISTINE: unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
+        PATCHED: unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
+        WITHOUT_LOAD_WAIT: line.without_load_wait,
+    }
+    return [dataclasses.replace(spec, site=sites[serves]) for spec, serves in CPU_PLAN if spec.name in names]
 
 
 def cpu_env(base: dict[str, str], out: Path) -> dict[str, str]:
@@ -715,17 +724,6 @@ def cpu_env(base: dict[str, str], out: Path) -> dict[str, str]:
     return env
 
 
-CPU_RUNS = (
-    CONTROL,
-    PRISTINE,
-    PATCHED,
-    WITHOUT_LOAD_WAIT,
-    "tp2-control",
-    "tp2-pristine",
-    "tp2-patched",
-)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/e2e/run_e2e.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -736,7 +734,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", default=None, help="GPU: dense,hybrid (CPU: dense only)")
-    parser.add_argument("--runs", default=",".join(CPU_RUNS), help="CPU: which runs, in this order")
+    parser.add_argument(
+        "--runs", default=",".join(CPU_RUNS), help="CPU: which runs (they run in the order of CPU_PLAN)"
+    )
     parser.add_argument("--python", default=sys.executable, help="GPU: the interpreter that runs the servers")
     parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run's traffic, at most")
@@ -756,12 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        needs = {name: f"tp2-{CONTROL}" if name.startswith("tp2-") else CONTROL for name in names}
-        missing = [
-            f"{name} needs {needs[name]}"
-            for name in names
-            if name in (PATCHED, WITHOUT_LOAD_WAIT, "tp2-patched") and needs[name] not in names
-        ]
+        missing = runs_without_their_control(names)
         if missing:
             print(
                 f"e2e: error: --runs: {'; '.join(missing)} (its outputs are compared with it)",
@@ -789,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         pristine_wheel = args.pristine_wheel or official_wheel_of(args.wheel)
-        pristine_site = install_pristine(args.python, pristine_wheel, out / "pristine-site")
+        pristine_site = unpack_wheel(pristine_wheel, out / "pristine-site")
         for name in [n for n in (args.models or "dense,hybrid").split(",") if n]:
             specs = [
                 RunSpec(CONTROL, CONTROL),
