@@ -16,9 +16,11 @@ pristine wheel from the pin, the patched wheel built if missing, the series with
 wait), served by the line's test environment with SGLANG_USE_CPU_ENGINE=1 and the stand-ins of
 ci/e2e/cpu/ (sgl_kernel's CPU ops, the two HiCache copy kernels, plain host-pool memory, and
 HiCache's copy streams running their copies later on a worker, so a load is really in flight).
-The runs (`--runs`, default all): control, pristine, patched, without-load-wait, and the same
-first three with --tp-size 2 (tp2-control, tp2-pristine, tp2-patched), the miss on rank 1 only
-and the KV pool marked rank-local on every rank, as a kvcached elastic pool is.
+The runs (`--runs`, default CPU_DEFAULT_RUNS): control, pristine, patched, without-load-wait, and
+the same first three with --tp-size 2 (tp2-control, tp2-pristine, tp2-patched), the miss on rank 1
+only and the KV pool marked rank-local on every rank, as a kvcached elastic pool is; and
+tp2-uneven (only when named: CPU_RUNS_EXPECTED_TO_FAIL_TODAY), tp2-patched with rank 0's free
+space reported WITHHELD_TOKENS lower while its scheduler is busy, so the ranks admit differently.
 
 Every server runs `python -m sglang.launch_server` with --skip-tokenizer-init, native HiCache
 (write-through), a 1024-token KV pool and no CUDA graphs, under bounded traffic that fills the
@@ -28,7 +30,8 @@ device pool, evicts to host and loads back. Expected:
   by the hook in the scheduler process: raised in sglang's mem_cache). A pristine server that
   survives means upstream fixed the bug: reported (drop the unwind entries), not failed;
 - patched: misses injected; every request finishes, every rank unwinds, the greedy outputs equal
-  the control run's (tp2-patched: tp2-control's);
+  the control run's (tp2-patched, tp2-uneven: tp2-control's); tp2-uneven also fails when no
+  reading of the free space was reduced;
 - without-load-wait (CPU): misses injected; every request finishes and the hazard shows: some
   outputs differ from control's (how many is reported). Equal outputs fail: the wait went unseen.
 A run meant to inject that saw no miss fails. A run whose requests time out while its server is
@@ -88,6 +91,16 @@ MAX_NEW_TOKENS = 8
 CONCURRENCY = 4
 VOCAB = 1024
 REQUEST_TIMEOUT_S = 60
+# The device KV pool (--max-total-tokens) and the largest prefill chunk (--chunked-prefill-size).
+MAX_TOTAL_TOKENS = 1024
+CHUNK_TOKENS = 1024
+# tp2-uneven: what rank 0's allocator withholds (reports fewer free tokens than it has), a quarter
+# of the pool. A request holds PREFIX_TOKENS + SUFFIX_TOKENS + MAX_NEW_TOKENS = 280 tokens and
+# CONCURRENCY (4) arrive together; 4 x 280 exceed the pool, so a full pool admits 3 at most
+# (840 <= 1024) where rank 0 sees 768 free and admits 2 (560; 840 > 768): admission differs from
+# the first wave on, and whenever 2 run rank 0 sees 208 free (less than one request) where rank 1
+# sees 464. 768 still holds one request, so one rank alone could always make progress.
+WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 4
 RUN_TIMEOUT_S = 600
 MISS_LIMIT = 3
 STARTUP_TIMEOUT_S = 900
@@ -232,13 +245,13 @@ def server_command(python: str, model_dir: Path, port: int, extra: Sequence[str]
         "--hicache-ratio",
         "8",
         "--max-total-tokens",
-        "1024",
+        str(MAX_TOTAL_TOKENS),
         "--page-size",
         "1",
         "--max-running-requests",
         "8",
         "--chunked-prefill-size",
-        "1024",
+        str(CHUNK_TOKENS),
         "--mem-fraction-static",
         "0.3",
         "--cuda-graph-backend-decode",
@@ -392,7 +405,13 @@ def drive(
             if deadline is not None and time.monotonic() >= deadline:
                 outcomes += [Outcome(r.key, False, error="run timed out") for r in wave]
                 continue
-            outcomes += list(pool.map(lambda r: generate(base_url, r, timeout()), wave))
+            answered = list(pool.map(lambda r: generate(base_url, r, timeout()), wave))
+            outcomes += answered
+            if any(map(timed_out, answered)) and alive():
+                # It hung: the later waves would only time out too (the run's bound, not a verdict).
+                later = [r for w in waves[waves.index(wave) + 1 :] for r in w]
+                outcomes += [Outcome(r.key, False, error="not sent: an earlier request hung") for r in later]
+                break
     return outcomes
 
 
@@ -423,6 +442,10 @@ class RunSpec:
     rank_local: bool = False
     # Environment this run's server needs beyond the others'.
     extra_env: tuple[tuple[str, str], ...] = ()
+    # Ranks of different free space: the allocator reports this many tokens fewer than it has, on
+    # withhold_ranks (None: every rank), while the scheduler is busy (hook/sitecustomize.py).
+    withheld_tokens: int = 0
+    withhold_ranks: tuple[int, ...] | None = None
 
     @property
     def control_name(self) -> str:
@@ -435,6 +458,7 @@ class Run:
     name: str
     kind: str
     tp: int = 1
+    withheld_tokens: int = 0
     started: bool = False
     finished: int = 0
     failed: int = 0
@@ -443,6 +467,8 @@ class Run:
     # Per TP rank (JSON keys are the rank as text), from the hook's counters in each scheduler.
     misses: dict[str, int] = field(default_factory=dict)
     unwinds: dict[str, int] = field(default_factory=dict)
+    # Readings of the allocator's available_size() that were reduced (withheld_tokens > 0).
+    withheld_readings: dict[str, int] = field(default_factory=dict)
     died_with: dict[str, str] = field(default_factory=dict)
     loads_started: int = 0
     unwinds_logged: int = 0
@@ -470,6 +496,8 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         rank = str(record.get("rank", 0))
         run.misses[rank] = run.misses.get(rank, 0) + int(record.get("injected_misses", 0))
         run.unwinds[rank] = run.unwinds.get(rank, 0) + int(record.get("unwinds", 0))
+        withheld = int(record.get("withheld_readings", 0))
+        run.withheld_readings[rank] = run.withheld_readings.get(rank, 0) + withheld
         run.loads_started += int(record.get("loads_started", 0))
         died = record.get("died_with")
         if died:
@@ -506,6 +534,8 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         run.ok, run.verdict = False, "the server never became healthy"
     elif run.kind in INJECTING and run.injected_misses == 0:
         run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
+    elif run.withheld_tokens > 0 and not any(run.withheld_readings.values()):
+        run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
     elif run.kind in COMPARING and not complete(control):
         run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
@@ -541,7 +571,9 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
             if run.ok
             else (
                 f"{run.failed} failed, misses {run.misses}, unwinds {run.unwinds},"
-                f" outputs equal control: {run.outputs_equal_control}, died with {run.died_with or 'nothing'}"
+                f" outputs equal control: {run.outputs_equal_control}"
+                f"{'' if not run.outputs_differing else f' ({run.outputs_differing} differ)'},"
+                f" died with {run.died_with or 'nothing'}"
             )
         )
     else:
@@ -570,7 +602,7 @@ class PeakMemory:
 
     def _sample(self) -> None:
         try:
-            import psutil
+            import psutil  # type: ignore[import-untyped, unused-ignore]
         except ImportError:
             return
         while not self._stop.wait(1.0):
@@ -605,7 +637,7 @@ def run_once(
     request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> tuple[Run, list[Outcome]]:
     started_at = time.monotonic()
-    run = Run(model, spec.name, spec.kind, spec.tp, log=f"{model}-{spec.name}.log")
+    run = Run(model, spec.name, spec.kind, spec.tp, spec.withheld_tokens, log=f"{model}-{spec.name}.log")
     counters = out / "counters" / f"{model}-{spec.name}"
     shutil.rmtree(counters, ignore_errors=True)
     env = dict(base_env)
@@ -619,6 +651,10 @@ def run_once(
         env["CARRY_E2E_MISS_RANKS"] = ",".join(map(str, spec.miss_ranks))
     if spec.rank_local:
         env["CARRY_E2E_RANK_LOCAL"] = "1"
+    if spec.withheld_tokens:
+        env["CARRY_E2E_WITHHELD_TOKENS"] = str(spec.withheld_tokens)
+        if spec.withhold_ranks is not None:
+            env["CARRY_E2E_WITHHOLD_RANKS"] = ",".join(map(str, spec.withhold_ranks))
     env.update(spec.extra_env)
     server = Server.start(command, env, out / run.log, port)
     memory = PeakMemory(server.process.pid)
@@ -691,8 +727,21 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-control", CONTROL), PATCHED),
     (two_ranks("tp2-pristine", PRISTINE, miss_ranks=(1,)), PRISTINE),
     (two_ranks("tp2-patched", PATCHED, miss_ranks=(1,)), PATCHED),
+    # As tp2-patched, and rank 0 reports WITHHELD_TOKENS fewer free tokens than it has (a
+    # co-tenant of an elastic pool): the ranks' free space differs, so they can admit and evict
+    # differently. Kind patched: every request finishes, outputs equal tp2-control's.
+    (
+        two_ranks(
+            "tp2-uneven", PATCHED, miss_ranks=(1,), withheld_tokens=WITHHELD_TOKENS, withhold_ranks=(0,)
+        ),
+        PATCHED,
+    ),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
+# Selectable with --runs but not run by default: the series of today fails them (a fix is being
+# written); each leaves this tuple with the series that passes it.
+CPU_RUNS_EXPECTED_TO_FAIL_TODAY = ("tp2-uneven",)
+CPU_DEFAULT_RUNS = tuple(name for name in CPU_RUNS if name not in CPU_RUNS_EXPECTED_TO_FAIL_TODAY)
 
 
 def runs_without_their_control(names: Sequence[str]) -> list[str]:
@@ -735,7 +784,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", default=None, help="GPU: dense,hybrid (CPU: dense only)")
     parser.add_argument(
-        "--runs", default=",".join(CPU_RUNS), help="CPU: which runs (they run in the order of CPU_PLAN)"
+        "--runs",
+        default=",".join(CPU_DEFAULT_RUNS),
+        help="CPU: which runs, in the order of CPU_PLAN (default: all but CPU_RUNS_EXPECTED_TO_FAIL_TODAY)",
     )
     parser.add_argument("--python", default=sys.executable, help="GPU: the interpreter that runs the servers")
     parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)

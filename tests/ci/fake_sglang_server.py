@@ -6,7 +6,9 @@ Serves /health and /generate on 127.0.0.1 like sglang with --skip-tokenizer-init
 --enable-cache-report: greedy "output_ids" derived from the input ids, meta_info with
 finish_reason, cached_tokens and cached_tokens_details.host (a prefix seen before counts as a host
 hit). It writes the counters the injection hook would (CARRY_E2E_COUNTERS_DIR: rank 0's, and with
---tp 2 rank 1's too), misses only on the ranks CARRY_E2E_MISS_RANKS names, and per MODE:
+--tp 2 rank 1's too), misses only on the ranks CARRY_E2E_MISS_RANKS names, counts a withheld
+reading per request on the ranks CARRY_E2E_WITHHOLD_RANKS names when CARRY_E2E_WITHHELD_TOKENS is
+set (as the hook does while the scheduler is busy), and per MODE:
 - control:  no miss;
 - no-miss:  no miss even when misses are asked for (a hook that injects nothing);
 - pristine: the first request of the second wave "misses": the missing rank's scheduler records
@@ -18,6 +20,8 @@ hit). It writes the counters the injection hook would (CARRY_E2E_COUNTERS_DIR: r
 - one-rank-unwinds: like patched, but only the missing rank unwinds;
 - skewed:   like patched, but its outputs differ from the control run's (as a tree without the
   load wait does);
+- abort:    like patched, but the first request that missed is aborted (finish_reason abort);
+- no-withhold: like patched, but nothing is withheld even when asked (a hook that reduced nothing);
 - hang:     misses, then never answers the request that missed (a rank waiting in a collective).
 With --child-pid-file it starts a child in its own process group (a scheduler) and records its PID.
 """
@@ -37,7 +41,13 @@ PORT, MODE = int(sys.argv[1]), sys.argv[2]
 TP = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
 seen_prefixes: set[tuple[int, ...]] = set()
 counts = {
-    rank: {"eligible_allocations": 0, "injected_misses": 0, "loads_started": 0, "unwinds": 0}
+    rank: {
+        "eligible_allocations": 0,
+        "injected_misses": 0,
+        "loads_started": 0,
+        "unwinds": 0,
+        "withheld_readings": 0,
+    }
     for rank in range(TP)
 }
 died_with: dict[int, dict[str, str]] = {}
@@ -45,6 +55,10 @@ lock = threading.Lock()
 limit = int(os.environ.get("CARRY_E2E_MISS_LIMIT", "0"))
 ranks = os.environ.get("CARRY_E2E_MISS_RANKS", "")
 miss_ranks = [int(r) for r in ranks.split(",")] if ranks else list(range(TP))
+withheld_tokens = int(os.environ.get("CARRY_E2E_WITHHELD_TOKENS", "0"))
+withholding = os.environ.get("CARRY_E2E_WITHHOLD_RANKS", "")
+withhold_ranks = [int(r) for r in withholding.split(",")] if withholding else list(range(TP))
+PATCHED_MODES = ("patched", "skewed", "one-rank-unwinds", "abort", "no-withhold")
 ALLOCATION_ERROR = {
     "type": "RuntimeError",
     "message": "Out of memory. Try to lower your batch size.",
@@ -94,6 +108,9 @@ class Handler(BaseHTTPRequestHandler):
             host_hit = prefix in seen_prefixes
             seen_prefixes.add(prefix)
             missed = False
+            if withheld_tokens > 0 and MODE != "no-withhold":
+                for rank in withhold_ranks:
+                    counts[rank]["withheld_readings"] += 1
             if host_hit:
                 for rank_counts in counts.values():
                     rank_counts["loads_started"] += 1
@@ -103,7 +120,7 @@ class Handler(BaseHTTPRequestHandler):
                     missed = True
             if missed and MODE in ("pristine", "other-death"):
                 died_with[miss_ranks[0]] = ALLOCATION_ERROR if MODE == "pristine" else OTHER_ERROR
-            if missed and MODE in ("patched", "skewed", "one-rank-unwinds"):
+            if missed and MODE in PATCHED_MODES:
                 unwound = [miss_ranks[0]] if MODE == "one-rank-unwinds" else list(counts)
                 for rank in unwound:
                     counts[rank]["unwinds"] += 1
@@ -113,13 +130,15 @@ class Handler(BaseHTTPRequestHandler):
             os._exit(1)
         if missed and MODE == "hang":
             threading.Event().wait()  # the driver's request timeout ends it
-        if missed and MODE in ("patched", "skewed", "one-rank-unwinds"):
+        if missed and MODE in PATCHED_MODES:
             log("Prefill allocation missed; unwound 1 batch(es) since the last report")
         n = request["sampling_params"]["max_new_tokens"]
         salt = 7 if MODE == "skewed" else 0
         output = [(sum(ids) + salt + i) % 1000 for i in range(n)]
+        aborted = missed and MODE == "abort" and missing["injected_misses"] == 1
+        finish = {"type": "abort", "message": "aborted"} if aborted else {"type": "length", "length": n}
         meta = {
-            "finish_reason": {"type": "length", "length": n},
+            "finish_reason": finish,
             "cached_tokens": 256 if host_hit else 0,
             "cached_tokens_details": {"device": 0, "host": 256 if host_hit else 0},
         }

@@ -15,8 +15,17 @@ on the ranks CARRY_E2E_MISS_RANKS names (comma-separated; default: every rank), 
 elastic pool misses on one rank only. CARRY_E2E_RANK_LOCAL=1 marks the KV allocators
 `rank_local_capacity` on every rank, as a kvcached pool is.
 
+Ranks of different free space, as a kvcached elastic pool has under co-tenancy (its
+`available_size()` is per rank): with CARRY_E2E_WITHHELD_TOKENS=N (default 0: off), the token
+allocator's `available_size()` reports N tokens fewer than it has (never below 0) on the ranks
+CARRY_E2E_WITHHOLD_RANKS names (comma-separated; default: every rank), as if a co-tenant held
+them. Every reading sglang bases admission, eviction and decode retraction on is reduced; nothing
+is taken from the pool (an allocation still succeeds on the real free list). See `Withholder` for
+when the withholding applies (only while the scheduler is busy) and why.
+
 Observed per process (its TP rank recorded): eligible allocations, injected misses, loads started,
-prefill unwinds (the scheduler's unwind, where the tree has one), and the exception the
+prefill unwinds (the scheduler's unwind, where the tree has one), withheld readings (readings of
+`available_size()` that were reduced), and the exception the
 scheduler's event loop died with, if it did (type, message, where it was raised). They go to
 CARRY_E2E_COUNTERS_DIR/<pid>.json, rewritten (atomically) on every change, so they survive a
 killed server. With CARRY_E2E_CPU=1 the CPU stand-ins (ci/e2e/cpu/carry_e2e_cpu.py) are
@@ -32,6 +41,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -42,6 +52,8 @@ ALLOCATOR_PACKAGE = "sglang.srt.mem_cache.allocator"
 CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 ALLOC_METHODS = ("alloc", "alloc_extend")
+AVAILABLE_METHOD = "available_size"
+SAVE_EVERY_S = 0.5
 # Where each tree allocates a prefill batch, first match wins: the patched scheduler calls
 # allocate_for_extend; prepare_for_extend calls it too there, so only one of them is wrapped.
 BATCH_ALLOCATION_METHODS = ("allocate_for_extend", "prepare_for_extend")
@@ -66,10 +78,19 @@ class Injector:
         self.limit = limit
         self.counters_dir = counters_dir
         self.miss_ranks = miss_ranks
-        self.counts = {"eligible_allocations": 0, "injected_misses": 0, "loads_started": 0, "unwinds": 0}
+        self.counts = {
+            "eligible_allocations": 0,
+            "injected_misses": 0,
+            "loads_started": 0,
+            "unwinds": 0,
+            "withheld_readings": 0,
+        }
+        # The scheduler whose event loop runs in this process (set when it starts).
+        self.scheduler: Any = None
         self.died_with: dict[str, str] | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._saved_at = float("-inf")
 
     @contextlib.contextmanager
     def allocating(self, batch: Any) -> Iterator[None]:
@@ -95,10 +116,11 @@ class Injector:
             self._save()
         return miss
 
-    def count(self, key: str) -> None:
+    def count(self, key: str, save_every_s: float = 0.0) -> None:
         with self._lock:
             self.counts[key] += 1
-            self._save()
+            if time.monotonic() - self._saved_at >= save_every_s:
+                self._save()
 
     def load_started(self, producer_index: int) -> None:
         if producer_index >= 0:
@@ -121,6 +143,77 @@ class Injector:
         temporary = target.with_suffix(".tmp")
         temporary.write_text(json.dumps({"rank": tp_rank(), **self.counts, "died_with": self.died_with}))
         temporary.replace(target)
+        self._saved_at = time.monotonic()
+
+
+class Withholder:
+    """Makes a rank's token allocator report `tokens` fewer free tokens than it has, as a
+    co-tenant of a kvcached elastic pool makes it, and only while the scheduler is busy.
+
+    Why only while busy: sglang's idle self-check (`Scheduler.on_idle`, 0.5.23:
+    `invariant_checker._check_all_pools`) asserts available + evictable + protected + held ==
+    max_total_num_tokens; a pool that merely reports less fails it ("pool memory leak
+    detected") although sglang lost nothing. A real pool that lends tokens accounts for them; here
+    the lending is tied to the one state sglang itself keys that check on: `is_fully_idle()`
+    (the check runs only when it is true). While the scheduler has any request (waiting,
+    running, chunked, loading), every reading is reduced: admission, eviction, decode retraction
+    all see the smaller pool. When it is fully idle nothing is admitted, so the co-tenant's tokens
+    are back and the check sees the pool as sglang accounts it.
+
+    The alternative, suspending the withholding inside `_check_all_pools`, is more magic: its
+    caller reads the pool statistics before the call, so the wrapper would have to replace its
+    argument, and it would tie the hook to a private checker method's signature. This uses only
+    the scheduler's own idle predicate. Before the scheduler's event loop starts nothing is
+    withheld (nothing is admitted then); a scheduler without `is_fully_idle` has every reading
+    reduced. Nested calls (a composite allocator asking its parts) are reduced once, at the
+    outermost call. The count of reduced readings is saved at most every SAVE_EVERY_S (a stalled
+    scheduler reads in a tight loop), and at once with any other count.
+    """
+
+    def __init__(self, injector: Injector, tokens: int, ranks: frozenset[int] | None = None) -> None:
+        self.injector, self.tokens, self.ranks = injector, tokens, ranks
+        self._local = threading.local()
+
+    def active(self) -> bool:
+        scheduler = self.injector.scheduler
+        if self.tokens <= 0 or scheduler is None:
+            return False
+        if self.ranks is not None and tp_rank() not in self.ranks:
+            return False
+        idle = getattr(scheduler, "is_fully_idle", None)
+        return idle is None or not idle()
+
+    def reading(self, real: Callable[[], int]) -> int:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            size = real()
+        finally:
+            self._local.depth = depth
+        if depth > 0 or not self.active():
+            return size
+        self.injector.count("withheld_readings", save_every_s=SAVE_EVERY_S)
+        return max(0, size - self.tokens)
+
+
+def wrap_available_size(classes: Sequence[type], withholder: Withholder) -> list[str]:
+    """Wrap `available_size` where each class defines it; returns what was wrapped."""
+    wrapped = []
+    for cls in classes:
+        real = cls.__dict__.get(AVAILABLE_METHOD)
+        if real is None or getattr(real, "_carry_e2e", False):
+            continue
+
+        def make(real: Callable[..., int]) -> Callable[..., int]:
+            def available_size(self: Any) -> int:
+                return withholder.reading(lambda: real(self))
+
+            available_size._carry_e2e = True  # type: ignore[attr-defined]
+            return available_size
+
+        setattr(cls, AVAILABLE_METHOD, make(real))
+        wrapped.append(f"{cls.__name__}.{AVAILABLE_METHOD}")
+    return wrapped
 
 
 def wrap_batch_allocation(batch_class: type, injector: Injector) -> str:
@@ -187,6 +280,7 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
     loop = scheduler_class.__dict__[loop_name]
 
     def event_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        injector.scheduler = self
         try:
             return loop(self, *args, **kwargs)
         except BaseException as error:
@@ -250,6 +344,12 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
         frozenset(int(r) for r in ranks.split(",") if r.strip()) if ranks.strip() else None,
     )
     rank_local = env.get("CARRY_E2E_RANK_LOCAL") == "1"
+    withhold_ranks = env.get("CARRY_E2E_WITHHOLD_RANKS", "")
+    withholder = Withholder(
+        injector,
+        int(env.get("CARRY_E2E_WITHHELD_TOKENS", "0")),
+        frozenset(int(r) for r in withhold_ranks.split(",") if r.strip()) if withhold_ranks.strip() else None,
+    )
 
     def patch_batch(module: Any) -> None:
         wrap_batch_allocation(module.ScheduleBatch, injector)
@@ -260,6 +360,8 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
             wrap_allocators([base, *all_subclasses(base)], injector)
             if rank_local:
                 base.rank_local_capacity = True
+            if withholder.tokens > 0:
+                wrap_available_size([base, *all_subclasses(base)], withholder)
 
     def patch_controller(module: Any) -> None:
         wrap_start_loading(module.HiCacheController, injector)
