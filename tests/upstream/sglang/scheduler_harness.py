@@ -1250,6 +1250,11 @@ def _make_scheduler(
     s.disaggregation_mode = DisaggregationMode(runtime_context.get_disagg().disaggregation_mode)
     #   ^ :3888, :3200 _add_request_to_queue
     s.waiting_queue = []  # :3773, :3806, :3871, :3981
+    s.rust_server = None  # send_abort_output (0.5.23): the zmq channel, not the Rust egress
+    s.enable_hisparse = False  # 0.5.23 :607 (memory args; the unwind refuses HiSparse)
+    # The unwind's back-off sleeps with nothing running; a harness never sleeps it (tests that
+    # check it put a fake clock here).
+    s._prefill_unwind_sleep = lambda seconds: None
     s.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)  # :3719; run_round passes it
     s.processed_tokens_counter = 0  # :3808 calc_priority, :3206
     s.dynamic_chunk_sizer = None  # :3819 (maybe_init_dynamic_chunk_sizer: PP only)

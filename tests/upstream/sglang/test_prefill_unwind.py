@@ -192,8 +192,13 @@ def test_bug_unwind_leaves_batch_full() -> None:
     of tokens) (scheduler.py:3884-3888, :3943-3950 at 0.5.20). The unwind does not restore it, and
     with nothing running nothing clears it (no last batch to filter, :3626-3630; no decode step
     for an empty batch, :3677): every later round returns None at :3772-3775 and the requeued
-    requests are never scheduled."""
-    with sh.build_harness(req_rows=ADMITTED) as h:
+    requests are never scheduled. One request keeps running: from 0.5.23 on, upstream clears the
+    flag of an EMPTY running batch itself, which would hide a missing restore."""
+    with sh.build_harness(req_rows=ADMITTED + 1) as h:
+        running = h.add_request(_prompt(9))
+        first = h.run_round()
+        assert first is not None and first.reqs == [running]
+        h.scheduler.running_batch = first  # the loop merges it into the running batch
         reqs = [h.add_request(_prompt(i)) for i in range(ADMITTED + 1)]
         with h.arm_miss("token_slots"):
             assert h.run_round() is None
@@ -418,9 +423,10 @@ class RankScenario(NamedTuple):
     config: dict[str, Any]
     topology: Topology  # which group spans both ranks (see _groups)
     site: sh.MissSite | None  # armed on MISSING_RANK only
-    first: Literal["fresh", "session", "chunked", "host"]  # what the round's batch starts with
-    # Rank 0's elastic pool reports only this many free tokens during the round (kvcached
-    # computes free space per rank), so it admits less than rank 1.
+    # What the round's batch starts with ("session_first": a streaming session's first turn).
+    first: Literal["fresh", "session", "session_first", "chunked", "host"]
+    # From before the first round, a co-tenant maps rank 0's KV memory away (kvcached computes
+    # free space per rank) until rank 0 has only this many free tokens: it would admit less.
     rank0_free_tokens: int | None = None
 
 
@@ -430,6 +436,9 @@ RANK_SCENARIOS = {
     # page 4, a streaming-session turn on a 30-token prefix: its extend starts inside the
     # prefix's last page, which `give_back_extend` must not free on the rank that did not miss.
     "tp_paged_session": RankScenario({"page_size": 4, **ELASTIC}, "tp", "paged_extend", "session"),
+    # A streaming session's first turn: its allocation hands the request's record and admission
+    # lock to a new session slot, on the rank that did not miss.
+    "tp_session_first_turn": RankScenario(ELASTIC, "tp", "token_slots", "session_first"),
     # A continuing chunked request with ping-pong tracking (its second chunk is unwound).
     "tp_chunked_ping_pong": RankScenario(
         {**PING_PONG, "chunked_prefill_size": CHUNK, **ELASTIC}, "tp", "token_slots", "chunked"
@@ -438,14 +447,20 @@ RANK_SCENARIOS = {
     "cp_mamba": RankScenario({**MAMBA, **ELASTIC}, "cp", "token_slots", "fresh"),
     # DP attention: each rank schedules its own batch; TP spans both ranks but must not agree.
     "dp_attention_mamba": RankScenario({**MAMBA, **ELASTIC}, "dp_attention", "token_slots", "fresh"),
-    # No miss: rank 0's pool reports less free space, so the ranks admit different batches.
+    # No miss: rank 0's pool has less free space than rank 1's.
     "tp_skewed_free": RankScenario(ELASTIC, "tp", None, "fresh", rank0_free_tokens=40),
     # A host hit: the round starts a HiCache load on both ranks, rank 1 misses.
     "tp_hicache_host": RankScenario(
         {**MAMBA, **ELASTIC, "hicache": True, "auto_complete_events": False}, "tp", "token_slots", "host"
     ),
 }
-UNWIND_BOTH = ["tp_mamba_ping_pong", "tp_paged_session", "tp_chunked_ping_pong", "cp_mamba"]
+UNWIND_BOTH = [
+    "tp_mamba_ping_pong",
+    "tp_paged_session",
+    "tp_session_first_turn",
+    "tp_chunked_ping_pong",
+    "cp_mamba",
+]
 
 
 def _req_state(req: Req) -> tuple[Any, ...]:
@@ -491,6 +506,9 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
         first_turn = _prompt(7, 30)
         session = h.open_streaming_session(first_turn)
         reqs.append(h.add_request([*first_turn, 5, 6, 7, 8, 9], session=session))
+    elif scenario.first == "session_first":
+        session = sh.Session(capacity_of_str_len=1 << 16, session_id="first-turn", streaming=True)
+        reqs.append(h.add_request(_prompt(7, 30), session=session))
     elif scenario.first == "chunked":
         reqs.append(_start_chunked(h, 100))  # both ranks run its first chunk
     elif scenario.first == "host":
@@ -506,11 +524,6 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
             if rank == MISSING_RANK and scenario.site
             else contextlib.nullcontext([])
         )
-        if rank == 0 and scenario.rank0_free_tokens is not None:
-            free = scenario.rank0_free_tokens
-            stack.enter_context(
-                mock.patch.object(h.token_to_kv_pool_allocator, "available_size", lambda: free)
-            )
         stack.enter_context(h.spy_releases())
         batch = h.run_round()
     consumer = [int(name) for op, name in h.device_log.entries if op == "consumer"]
@@ -532,11 +545,34 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
             else None
         ),
     }
+    result["session_slots"] = _session_slots(h)
     h.prepare_next_round()
     retry = h.run_round()
     result["retry"] = None if retry is None else [r.rid for r in retry.reqs]
+    result["session_slots_after_retry"] = _session_slots(h)
     result["state_after_retry"] = [_req_state(r) for r in reqs]
     return result
+
+
+@contextlib.contextmanager
+def _cotenant(h: sh.Harness, leave_free: int) -> Iterator[None]:
+    """Another engine maps this rank's KV memory away until `leave_free` tokens are free (what a
+    kvcached co-tenant does to one GPU); it gives them back on exit."""
+    allocator = h.token_to_kv_pool_allocator
+    taken = allocator.alloc(allocator.available_size() - leave_free)
+    assert taken is not None
+    try:
+        yield
+    finally:
+        allocator.free(taken)
+
+
+def _session_slots(h: sh.Harness) -> dict[str, bool] | None:
+    """Each streaming session slot, by id: whether it holds a tree lock (None: no such cache)."""
+    session_cache = getattr(h.tree_cache, "session", None)
+    if session_cache is None:
+        return None
+    return {sid: slot.lock is not None for sid, slot in session_cache.slots.items()}
 
 
 def _groups(topology: Topology, rank: int, world: Any, pair: Any, singles: list[Any]) -> dict[str, Any]:
@@ -565,10 +601,19 @@ def _rank_body(names: list[str]) -> Any:
         assert world is not pair
         out: dict[str, Any] = {}
         for name in names:
-            scenario = RANK_SCENARIOS[name]
-            groups = _groups(scenario.topology, rank, world, pair, singles)
-            with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
-                out[name] = _rank_scenario(h, rank, scenario)
+            if name in MULTI_ROUND_SCENARIOS:
+                groups = _groups("tp", rank, world, pair, singles)
+                with sh.build_harness(**ELASTIC, tp_size=RANKS, **groups) as h:
+                    out[name] = MULTI_ROUND_SCENARIOS[name](h, rank)
+            else:
+                scenario = RANK_SCENARIOS[name]
+                groups = _groups(scenario.topology, rank, world, pair, singles)
+                with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
+                    skewed = rank == 0 and scenario.rank0_free_tokens is not None
+                    with (
+                        _cotenant(h, scenario.rank0_free_tokens or 0) if skewed else contextlib.nullcontext()
+                    ):
+                        out[name] = _rank_scenario(h, rank, scenario)
             dist.barrier(group=world)  # a hung scenario shows up as a timeout here
         return out
 
@@ -598,7 +643,9 @@ def run_two_ranks(names: list[str]) -> TwoRanks:
 def two_ranks() -> TwoRanks:
     """The scenarios of this module, run once on both ranks (the HiCache one belongs to the wait
     entry, test_unwind_waits_for_load.py)."""
-    return run_two_ranks([name for name in RANK_SCENARIOS if name != "tp_hicache_host"])
+    return run_two_ranks(
+        [name for name in RANK_SCENARIOS if name != "tp_hicache_host"] + list(MULTI_ROUND_SCENARIOS)
+    )
 
 
 @pytest.mark.parametrize("name", UNWIND_BOTH)
@@ -633,6 +680,19 @@ def test_two_ranks_requests_stay_in_step(two_ranks: TwoRanks, name: str) -> None
     assert all(state[5] >= 0 for r in ranks.values() for state in r["state_after_retry"])
 
 
+def test_a_first_turn_gives_its_session_slot_back(two_ranks: TwoRanks) -> None:
+    """On the rank that allocated, a streaming session's first turn moved its admission lock into
+    a new session slot. The unwind takes both back: no slot is left without its row (an abort
+    while queued would then trip the session's one-slot assertion), the lock is released like any
+    admission lock, and the retry opens the slot once, with one lock, on both ranks."""
+    ranks = two_ranks.scenario("tp_session_first_turn")
+    if ranks[0]["session_slots"] is None:
+        pytest.skip("this line has no streaming-session slots")
+    for r in ranks.values():
+        assert r["session_slots"] == {}
+        assert r["session_slots_after_retry"] == {"first-turn": True}
+
+
 def test_dp_attention_ranks_do_not_agree(two_ranks: TwoRanks) -> None:
     """Under DP attention each rank schedules its own batch (attention-TP is one rank each):
     rank 1's miss unwinds rank 1 only, and the TP group, which spans both, is not used."""
@@ -642,20 +702,106 @@ def test_dp_attention_ranks_do_not_agree(two_ranks: TwoRanks) -> None:
     assert ranks[0]["unwinds"] == 0 and ranks[0]["cap"] is None
 
 
-def test_two_ranks_that_admit_differently_both_put_back(two_ranks: TwoRanks) -> None:
-    """Rank 0's pool reports less free space, so it admits fewer requests than rank 1. Neither
-    runs its batch (that would run different batches on the ranks of one TP group); both put it
-    back, no request is charged a miss, and the next round, capped alike, runs the same batch."""
+def test_two_ranks_with_different_free_space_admit_alike(two_ranks: TwoRanks) -> None:
+    """Rank 0 has less free space than rank 1 (a co-tenant took most of it). The ranks agree on
+    their free space before admission, so both admit the same batch, what fits rank 0, and run
+    it: nothing is unwound, nothing is charged, and the next round runs the same on both."""
     ranks = two_ranks.scenario("tp_skewed_free")
-    assert ranks[0]["state_after_unwind"] == ranks[1]["state_after_unwind"]
     for r in ranks.values():
-        assert r["reported"] == []
-        assert r["batch"] is None
-        assert r["after"] == r["before"]
-    assert ranks[0]["unwinds"] + ranks[1]["unwinds"] >= 1
-    assert ranks[0]["cap"] == ranks[1]["cap"] is not None
+        assert r["reported"] == [] and r["unwinds"] == 0 and r["cap"] is None
+    assert ranks[0]["batch"] is not None and ranks[0]["batch"] == ranks[1]["batch"]
+    assert len(ranks[0]["batch"]) < 4  # what fits rank 0's 40 free tokens, not rank 1's
+    assert ranks[0]["state_after_unwind"] == ranks[1]["state_after_unwind"]
     assert ranks[0]["queue"] == ranks[1]["queue"]
-    assert ranks[0]["retry"] is not None and ranks[0]["retry"] == ranks[1]["retry"]
+    assert ranks[0]["retry"] == ranks[1]["retry"]
+
+
+EVICTION_PREFIXES = [list(range(2000 + 40 * i, 2000 + 40 * i + 32)) for i in range(6)]
+
+
+def _skewed_eviction(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Both ranks cache the same six 32-token prefixes; a co-tenant leaves rank 0 only 16 free
+    tokens. New requests need eviction, then one reuses the oldest prefix (the first LRU victim).
+    Each round's batch (rid, prefix length, extend end) and the tree's evictable size after it."""
+    for prefix in EVICTION_PREFIXES:
+        h.cache_prefix(prefix)
+    rounds: list[Any] = []
+    with _cotenant(h, 16) if rank == 0 else contextlib.nullcontext():
+        for i in range(3):
+            h.add_request(_prompt(i, 40))
+        h.add_request([*EVICTION_PREFIXES[0], 7, 8, 9])
+        for _ in range(12):
+            batch = h.run_round()
+            rounds.append(
+                None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
+            )
+            for req in [] if batch is None else batch.reqs:
+                h.finish_request(req)
+            h.prepare_next_round()
+            rounds.append(h.tree_cache.evictable_size())
+            if not h.scheduler.waiting_queue:
+                break
+    return {
+        "rounds": rounds,
+        "queue": [r.rid for r in h.scheduler.waiting_queue],
+        "unwinds": sh.num_prefill_unwinds(h),
+    }
+
+
+def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Right after the ranks agreed on their free space, before admission, a co-tenant takes
+    nearly all of rank 0's (the race no agreement can see coming). That round rank 0 admits
+    nothing while rank 1 admits: both put it back, both count it, no request is charged. The
+    co-tenant then leaves; the next round agrees again, and both ranks do the same."""
+    sched = h.scheduler
+    reqs = [h.add_request(_prompt(i)) for i in range(3)]
+    with contextlib.ExitStack() as stack:
+        agree = getattr(sched, "_agree_on_free_space", None)
+        if rank == 0 and agree is None:  # a series that agrees on nothing before admission
+            stack.enter_context(_cotenant(h, 2))
+        elif rank == 0:
+
+            def agree_then_lose_memory(agreement: Any) -> None:
+                agree(agreement)
+                stack.enter_context(_cotenant(h, 2))
+
+            stack.enter_context(mock.patch.object(sched, "_agree_on_free_space", agree_then_lose_memory))
+        raced = h.run_round()
+        after_race = {
+            "batch": None if raced is None else [r.rid for r in raced.reqs],
+            "unwinds": sh.num_prefill_unwinds(h),
+            "divergences": getattr(sched, "num_prefill_divergences", 0),
+            "charged": [r.consecutive_prefill_unwinds for r in reqs],
+            "queue": [r.rid for r in sched.waiting_queue],
+        }
+    h.prepare_next_round()
+    agreed = h.run_round()
+    return {**after_race, "agreed": None if agreed is None else [r.rid for r in agreed.reqs]}
+
+
+MULTI_ROUND_SCENARIOS = {"tp_skewed_eviction": _skewed_eviction, "tp_cotenant_race": _cotenant_race}
+
+
+def test_ranks_with_different_free_space_evict_alike(two_ranks: TwoRanks) -> None:
+    """With rank 0 short of free space, eviction follows the agreed free space on both ranks, so
+    the trees stay mirrored: every round both ranks schedule the same requests with the same
+    prefix lengths and extend ranges (a request reusing the first prefix evicted included), and
+    their evictable sizes stay equal. Without it rank 0 evicts more, and a prefix cached on one
+    rank only either stalls the request or runs different token ranges on the two ranks."""
+    ranks = two_ranks.scenario("tp_skewed_eviction")
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]
+    assert ranks[0]["queue"] == ranks[1]["queue"] == []
+    assert any(batch for batch in ranks[0]["rounds"][::2])
+
+
+def test_a_cotenant_race_is_put_back_and_counted_on_every_rank(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_cotenant_race")
+    for r in ranks.values():
+        assert r["batch"] is None
+        assert r["unwinds"] == 1 and r["divergences"] == 1  # rank 0 admitted nothing, counts too
+        assert r["charged"] == [0, 0, 0]
+    assert ranks[0]["queue"] == ranks[1]["queue"]
+    assert ranks[0]["agreed"] == ranks[1]["agreed"]
 
 
 # --------------------------------------------------------------------------------------------
