@@ -6,12 +6,14 @@ CPU harness (tests/upstream/sglang/scheduler_harness.py) in two worker processes
 alternating blocks in the same run so machine load drifts hit both alike.
 
     .venv-test/bin/python ci/bench/prefill_unwind.py [--rounds 3000] [--block 100] [--config mamba]
-    .venv-test/bin/python ci/bench/prefill_unwind.py --ranks 2
+    .venv-test/bin/python ci/bench/prefill_unwind.py --ranks 2 [--before REF]
 
 With --ranks 2 each tree runs as two gloo ranks of one attention-TP group (one core each), once
 with plain pools and once with an elastic pool (one whose free space is per rank, so the patched
 scheduler agrees on every round): the plain ratio must stay at or under 1.02; the elastic
-pool's cost (one all-reduce per round) is printed.
+pool's cost per round is printed next to one bare all-reduce of a few integers between the same
+two ranks, timed in the same run. --before REF times an earlier series (a commit of
+upstream/sglang) alongside.
 
 Trees: worktrees of upstream/sglang at upstream/<version> and carry/<version>, made under build/.
 """
@@ -61,6 +63,18 @@ if ranks > 1:
 harness = sh.build_harness(**config)
 print("ready", flush=True)
 for line in sys.stdin:
+    if line.startswith("allreduce"):
+        # One bare all-reduce of a few integers between the same ranks: the unit of cost.
+        import torch
+        vote = torch.zeros(4, dtype=torch.int64)
+        times = []
+        for _ in range(int(line.split()[1])):
+            dist.barrier(group=world)
+            start = time.perf_counter()
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=pair)
+            times.append(time.perf_counter() - start)
+        print(json.dumps(times), flush=True)
+        continue
     rounds = int(line)
     times = []
     for _ in range(rounds):
@@ -109,11 +123,11 @@ def start_worker(tree: Path, config: dict[str, object], ranks: int, store: Path)
     return procs
 
 
-def run_block(procs: Ranks, rounds: int) -> list[float]:
+def run_block(procs: Ranks, rounds: int, command: str = "") -> list[float]:
     """Every rank runs the block; a round takes as long as its slowest rank."""
     for proc in procs:
         assert proc.stdin is not None
-        proc.stdin.write(f"{rounds}\n")
+        proc.stdin.write(f"{command}{rounds}\n")
         proc.stdin.flush()
     per_rank = [json.loads(proc.stdout.readline()) for proc in procs if proc.stdout is not None]
     return [max(times) for times in zip(*per_rank, strict=True)]
@@ -129,12 +143,17 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="mamba")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1)
+    parser.add_argument(
+        "--before", metavar="REF", help="also time this commit of upstream/sglang (an earlier series)"
+    )
     args = parser.parse_args()
 
     trees = {
         "pristine": worktree("pristine", f"upstream/{args.version}"),
         "patched": worktree("patched", f"carry/{args.version}"),
     }
+    if args.before:
+        trees["before"] = worktree("before", args.before)
     pools = {"plain": {}} if args.ranks == 1 else {"plain": {}, "elastic": {"elastic": True}}
     cases = [(tree, pool) for pool in pools for tree in trees]
     print(f"bench: starting {args.ranks} worker(s) per case ({args.config}); importing sglang takes a while")
@@ -166,6 +185,9 @@ def main() -> int:
                 assert proc.stdin is not None
                 proc.stdin.close()
                 proc.wait(timeout=60)
+        bare: list[float] = []
+        if args.ranks > 1:
+            bare = run_block(workers["patched", "plain"], args.rounds, command="allreduce ")
     medians = {case: statistics.median(times) for case, times in samples.items()}
     for (tree, pool), median in medians.items():
         label = f"{args.ranks} rank(s) {pool:7s} {tree:9s}"
@@ -173,11 +195,17 @@ def main() -> int:
     ratio = medians["patched", "plain"] / medians["pristine", "plain"]
     print(f"{args.ranks} rank(s), plain pools: patched/pristine median ratio {ratio:.4f} (target <= 1.02)")
     if "elastic" in pools:
-        cost = medians["patched", "elastic"] - medians["pristine", "elastic"]
+        for tree in [t for t in trees if t != "pristine"]:
+            cost = medians[tree, "elastic"] - medians["pristine", "elastic"]
+            print(
+                f"{args.ranks} rank(s), elastic pool, {tree}: patched/pristine median ratio "
+                f"{medians[tree, 'elastic'] / medians['pristine', 'elastic']:.4f}, "
+                f"the agreement costs {cost * 1e6:.0f} us per round"
+            )
+    if bare:
         print(
-            f"{args.ranks} rank(s), elastic pool: patched/pristine median ratio "
-            f"{medians['patched', 'elastic'] / medians['pristine', 'elastic']:.4f}, "
-            f"the agreement costs {cost * 1e6:.0f} us per round"
+            f"{args.ranks} rank(s): one bare gloo all-reduce of 4 integers, "
+            f"median {statistics.median(bare) * 1e6:.0f} us"
         )
     return 0 if ratio <= 1.02 else 1
 

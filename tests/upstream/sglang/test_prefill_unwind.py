@@ -603,7 +603,8 @@ def _rank_body(names: list[str]) -> Any:
         for name in names:
             if name in MULTI_ROUND_SCENARIOS:
                 groups = _groups("tp", rank, world, pair, singles)
-                with sh.build_harness(**ELASTIC, tp_size=RANKS, **groups) as h:
+                chunk = {"chunked_prefill_size": CHUNK} if name in CHUNKED_SCENARIOS else {}
+                with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
                     out[name] = MULTI_ROUND_SCENARIOS[name](h, rank)
             else:
                 scenario = RANK_SCENARIOS[name]
@@ -779,7 +780,64 @@ def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
     return {**after_race, "agreed": None if agreed is None else [r.rid for r in agreed.reqs]}
 
 
-MULTI_ROUND_SCENARIOS = {"tp_skewed_eviction": _skewed_eviction, "tp_cotenant_race": _cotenant_race}
+def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The ranks' trees differ (what per-rank eviction did before the ranks agreed on their free
+    space): rank 0 has a 32-token prefix cached, rank 1 does not. With 64-token chunks both ranks
+    schedule the request's first chunk with the same extend length, but rank 0 would compute
+    tokens 32-96 and rank 1 tokens 0-64 of one batch. The fingerprint covers the prefix length, so
+    the ranks put it back; the third such round in a row stops the scheduler, naming it."""
+    prefix = list(range(3000, 3032))
+    if rank == 0:
+        h.cache_prefix(prefix)
+    req = h.add_request([*prefix, *range(4000, 4100)])
+    outcomes: list[Any] = []
+    for _ in range(3):
+        try:
+            batch = h.run_round()
+        except Exception as error:  # the scheduler stopping
+            outcomes.append(type(error).__name__)
+            break
+        outcomes.append(
+            None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
+        )
+        h.prepare_next_round()
+    return {
+        "outcomes": outcomes,
+        "charged": req.consecutive_prefill_unwinds,
+    }
+
+
+def _idle_round_keeps_the_cap(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """After an unwind (rank 1 missed) the next round admits nothing on either rank (the running
+    batch is full): the ranks' vote is IDLE, which must not lift the back-off cap."""
+    sched = h.scheduler
+    running = h.add_request(_prompt(9))
+    first = h.run_round()
+    assert first is not None
+    sched.running_batch = first
+    for i in range(4):
+        h.add_request(_prompt(i))
+    with h.arm_miss("token_slots") if rank == MISSING_RANK else contextlib.nullcontext([]):
+        assert h.run_round() is None
+    cap_after_unwind = sched.prefill_unwind_admit_cap
+    sched.running_batch.batch_is_full = True  # nothing can be admitted this round, on any rank
+    idle = h.run_round()
+    result = {
+        "cap_after_unwind": cap_after_unwind,
+        "idle": idle,
+        "cap_after_idle": sched.prefill_unwind_admit_cap,
+    }
+    h.finish_request(running)
+    return result
+
+
+MULTI_ROUND_SCENARIOS = {
+    "tp_skewed_eviction": _skewed_eviction,
+    "tp_cotenant_race": _cotenant_race,
+    "tp_trees_differ": _trees_differ,
+    "tp_idle_round": _idle_round_keeps_the_cap,
+}
+CHUNKED_SCENARIOS = {"tp_trees_differ"}
 
 
 def test_ranks_with_different_free_space_evict_alike(two_ranks: TwoRanks) -> None:
@@ -792,6 +850,20 @@ def test_ranks_with_different_free_space_evict_alike(two_ranks: TwoRanks) -> Non
     assert ranks[0]["rounds"] == ranks[1]["rounds"]
     assert ranks[0]["queue"] == ranks[1]["queue"] == []
     assert any(batch for batch in ranks[0]["rounds"][::2])
+
+
+def test_ranks_whose_trees_differ_never_run_the_batch(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_trees_differ")
+    for r in ranks.values():
+        assert r["outcomes"] == [None, None, "PrefillRankDivergence"]
+        assert r["charged"] == 0
+
+
+def test_a_round_where_no_rank_admits_keeps_the_cap(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_idle_round")
+    for r in ranks.values():
+        assert r["cap_after_unwind"] is not None
+        assert r["idle"] is None and r["cap_after_idle"] == r["cap_after_unwind"]
 
 
 def test_a_cotenant_race_is_put_back_and_counted_on_every_rank(two_ranks: TwoRanks) -> None:

@@ -446,6 +446,26 @@ def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
         assert len(votes) == per_admitting_round  # the empty round made no collective
 
 
+def test_a_rank_local_pool_without_an_agreement_helper_stops_never_unwinds_alone() -> None:
+    """Across TP ranks, a pool whose free space is per rank under a tree cache with no agreement
+    helper (FlexKV's): a miss on one rank cannot be put back on the others, so it stops the
+    scheduler, naming why; a round that allocates runs, with no collective."""
+    with sh.build_harness() as h:
+        h.token_to_kv_pool_allocator.rank_local_capacity = True
+        h.scheduler.tp_cpu_group = object()
+        with (
+            mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", None),
+            mock.patch.object(torch.distributed, "get_world_size", return_value=2),
+            mock.patch.object(torch.distributed, "all_reduce", side_effect=AssertionError("collective")),
+        ):
+            h.add_request(_prompt(0))
+            assert h.run_round() is not None
+            h.add_request(_prompt(1))
+            with h.arm_miss("token_slots"), pytest.raises(RuntimeError, match="no cross-rank agreement"):
+                h.run_round()
+        assert sh.num_prefill_unwinds(h) == 0
+
+
 def test_a_kvcached_attribute_alone_turns_nothing_on() -> None:
     """The capability is declared, not guessed from kvcached's own attribute names."""
     with sh.build_harness() as h:
