@@ -12,6 +12,7 @@ behaviour the series keeps as 0.5.20 has it.
 from __future__ import annotations
 
 import logging
+import types
 from http import HTTPStatus
 from typing import Any
 from unittest import mock
@@ -491,6 +492,14 @@ def test_a_composite_pool_answers_for_its_parts() -> None:
     assert rank_local_pools(composite) == [swa]
     composite.rank_local_capacity = True  # declared on the composite itself too
     assert rank_local_pools(composite) == [swa]
+
+    # The hybrid-SWA KV pool, likewise (kvcached makes its full and SWA pools elastic).
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    kv_pool = SWAKVPool.__new__(SWAKVPool)
+    static, elastic = types.SimpleNamespace(), types.SimpleNamespace(rank_local_capacity=True)
+    kv_pool.full_kv_pool, kv_pool.swa_kv_pool = static, elastic
+    assert has_rank_local_capacity(kv_pool) and rank_local_pools(kv_pool) == [elastic]
 
 
 # --------------------------------------------------------------------------------------------
