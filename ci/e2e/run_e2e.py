@@ -16,10 +16,10 @@ pristine wheel from the pin, the patched wheel built if missing, the series with
 wait), served by the line's test environment with SGLANG_USE_CPU_ENGINE=1 and the stand-ins of
 ci/e2e/cpu/ (sgl_kernel's CPU ops, the two HiCache copy kernels, plain host-pool memory, and
 HiCache's copy streams running their copies later on a worker, so a load is really in flight).
-The runs (`--runs`, default CPU_DEFAULT_RUNS): control, pristine, patched, without-load-wait, and
+The runs (`--runs`, default all of CPU_RUNS): control, pristine, patched, without-load-wait, and
 the same first three with --tp-size 2 (tp2-control, tp2-pristine, tp2-patched), the miss on rank 1
 only and the KV pool marked rank-local on every rank, as a kvcached elastic pool is; and
-tp2-uneven (only when named: CPU_RUNS_EXPECTED_TO_FAIL_TODAY), tp2-patched with rank 0's free
+tp2-uneven, tp2-patched with rank 0's free
 space reported WITHHELD_TOKENS lower while its scheduler is busy, so the ranks admit differently.
 
 Every server runs `python -m sglang.launch_server` with --skip-tokenizer-init, native HiCache
@@ -738,10 +738,6 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     ),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
-# Selectable with --runs but not run by default: the series of today fails them (a fix is being
-# written); each leaves this tuple with the series that passes it.
-CPU_RUNS_EXPECTED_TO_FAIL_TODAY = ("tp2-uneven",)
-CPU_DEFAULT_RUNS = tuple(name for name in CPU_RUNS if name not in CPU_RUNS_EXPECTED_TO_FAIL_TODAY)
 
 
 def runs_without_their_control(names: Sequence[str]) -> list[str]:
@@ -785,8 +781,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help="GPU: dense,hybrid (CPU: dense only)")
     parser.add_argument(
         "--runs",
-        default=",".join(CPU_DEFAULT_RUNS),
-        help="CPU: which runs, in the order of CPU_PLAN (default: all but CPU_RUNS_EXPECTED_TO_FAIL_TODAY)",
+        default=",".join(CPU_RUNS),
+        help="CPU: which runs, in the order of CPU_PLAN (default: all)",
     )
     parser.add_argument("--python", default=sys.executable, help="GPU: the interpreter that runs the servers")
     parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)

@@ -364,10 +364,8 @@ def test_a_hung_server_gets_no_more_waves(
     assert [o.error for o in outcomes[6:]] == ["not sent: an earlier request hung"] * 3
 
 
-def test_the_default_runs_leave_out_the_runs_expected_to_fail_today() -> None:
-    assert run_e2e.CPU_RUNS_EXPECTED_TO_FAIL_TODAY == ("tp2-uneven",)
-    assert "tp2-uneven" in run_e2e.CPU_RUNS and "tp2-uneven" not in run_e2e.CPU_DEFAULT_RUNS
-    assert set(run_e2e.CPU_RUNS) - set(run_e2e.CPU_DEFAULT_RUNS) == {"tp2-uneven"}
+def test_tp2_uneven_is_compared_with_the_tp2_control() -> None:
+    assert "tp2-uneven" in run_e2e.CPU_RUNS
     assert run_e2e.runs_without_their_control(["tp2-uneven"]) == ["tp2-uneven needs tp2-control"]
 
 

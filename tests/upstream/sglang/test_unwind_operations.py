@@ -96,6 +96,10 @@ def test_modes_whose_allocation_cannot_be_given_back_stop_by_name(mode: str) -> 
     HiSparse (speculative scratch) and DeepSeek-V4 (the C128 bundle) allocate what the unwind
     cannot give back: a miss there stops the scheduler, naming the mode, before anything is
     released or requeued."""
+    from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator
+
+    if mode == "HiSparse" and not hasattr(HiSparseCoordinator, "allocate_spec_scratch"):
+        pytest.skip("this line's HiSparse takes no speculative scratch at allocation")
     with sh.build_harness() as h:
         REFUSED_MODES[mode](h)
         h.add_request(_prompt(0))
