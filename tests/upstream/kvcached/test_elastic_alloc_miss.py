@@ -28,6 +28,7 @@ import sglang
 import sglang.srt.mem_cache.allocator as alloc_pkg
 import sglang.srt.mem_cache.allocator.swa as swa_mod
 import torch
+from class_snapshots import restore, snapshot
 from kvcached.integration.sglang import patches
 from kvcached.integration.version_utils import VersionManager
 from packaging.version import Version
@@ -146,18 +147,6 @@ class CpuKernel:
         return self.fn
 
 
-def _snapshot(obj: Any) -> dict[str, Any]:
-    return dict(vars(obj))
-
-
-def _restore(obj: Any, snapshot: dict[str, Any]) -> None:
-    for name in set(vars(obj)) - set(snapshot):
-        delattr(obj, name)
-    for name, value in snapshot.items():
-        if vars(obj).get(name) is not value:
-            setattr(obj, name, value)
-
-
 @pytest.fixture
 def elastic(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
     """kvcached's allocator patches applied to the real SGLang allocator modules, undone afterwards."""
@@ -167,7 +156,7 @@ def elastic(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
     monkeypatch.setattr(kernels, "alloc_decode_kernel", CpuKernel(_alloc_decode_on_cpu))
 
     touched = (alloc_pkg, swa_mod, swa_mod.SWATokenToKVPoolAllocator)
-    snapshots = [_snapshot(obj) for obj in touched]
+    snapshots = [snapshot(obj) for obj in touched]
     try:
         assert patches.ElasticAllocatorPatch().apply(alloc_pkg)
         assert patches.ElasticSWAAllocatorPatch().apply(swa_mod)
@@ -177,8 +166,8 @@ def elastic(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
             swa=swa_mod.SWATokenToKVPoolAllocator,
         )
     finally:
-        for obj, snapshot in zip(touched, snapshots, strict=True):
-            _restore(obj, snapshot)
+        for obj, saved in zip(touched, snapshots, strict=True):
+            restore(obj, saved)
 
 
 def _cpu(*values: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import sglang.srt.mem_cache.allocator as alloc_pkg
 import sglang.srt.mem_cache.allocator.swa as swa_mod
 import sglang.srt.mem_cache.memory_pool as mem_pool_mod
 import torch
+from class_snapshots import restore, snapshot
 from kvcached.integration.sglang import patches
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
@@ -97,18 +98,6 @@ def _fake_interfaces() -> types.ModuleType:
     return kvi
 
 
-def _snapshot(obj: Any) -> dict[str, Any]:
-    return dict(vars(obj))
-
-
-def _restore(obj: Any, snapshot: dict[str, Any]) -> None:
-    for name in set(vars(obj)) - set(snapshot):
-        delattr(obj, name)
-    for name, value in snapshot.items():
-        if vars(obj).get(name) is not value:
-            setattr(obj, name, value)
-
-
 @pytest.fixture
 def elastic(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     """kvcached's allocator and memory-pool patches on the real SGLang modules, undone afterwards."""
@@ -132,7 +121,7 @@ def elastic(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
         mem_pool_mod,
         mem_pool_mod.HybridReqToTokenPool,
     )
-    snapshots = [_snapshot(obj) for obj in touched]
+    snapshots = [snapshot(obj) for obj in touched]
     try:
         assert patches.ElasticAllocatorPatch().apply(alloc_pkg)
         assert patches.ElasticSWAAllocatorPatch().apply(swa_mod)
@@ -145,8 +134,8 @@ def elastic(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
             assert patch().apply(mem_pool_mod), patch.__name__
         yield mem_pool_mod
     finally:
-        for obj, snapshot in zip(touched, snapshots, strict=True):
-            _restore(obj, snapshot)
+        for obj, saved in zip(touched, snapshots, strict=True):
+            restore(obj, saved)
 
 
 def _mha_pool(cls: Any, layer_num: int = 2) -> Any:
