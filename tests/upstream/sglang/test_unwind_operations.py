@@ -179,6 +179,21 @@ def test_an_abort_under_pd_disaggregation_releases_the_prefill_side() -> None:
         assert _holds_nothing(req) and req.finished()
 
 
+def test_pipeline_parallel_refuses_a_peer_stage_miss_too() -> None:
+    """Under PP the refusal does not depend on which rank missed: a rank that allocated but is
+    told a peer missed stops too, naming the mode, and gives nothing back first."""
+    from sglang.srt.managers.scheduler import PrefillRound
+
+    with runtime_context.get_parallel().override(pp_size=2), sh.build_harness() as h:
+        h.add_request(_prompt(0))
+        with (
+            mock.patch.object(h.scheduler, "_agree_on_prefill_round", return_value=PrefillRound.MISSED),
+            pytest.raises(RuntimeError, match=r"pipeline parallelism \(pp_size=2\)"),
+        ):
+            h.run_round()
+        assert sh.num_prefill_unwinds(h) == 0
+
+
 # --------------------------------------------------------------------------------------------
 # Metrics: the queue time ends at the round that really runs the request
 # --------------------------------------------------------------------------------------------
@@ -305,11 +320,13 @@ def test_no_sleep_while_requests_run(deadline: float) -> None:
         assert not running.finished()
 
 
-def test_persistent_miss_aborts_a_continuing_chunked_request(deadline: float) -> None:
+@pytest.mark.parametrize("config", [MAMBA, {}], ids=["mamba", "no-mamba"])
+def test_persistent_miss_aborts_a_continuing_chunked_request(deadline: float, config: dict[str, Any]) -> None:
     """A continuing chunked request is admitted before the back-off cap, so without a bound its
     next chunk would be retried forever. Past the deadline it is aborted and gives back its row,
-    the KV of its earlier chunks, its lock and its Mamba slot."""
-    with sh.build_harness(**MAMBA, chunked_prefill_size=64) as h:
+    the KV of its earlier chunks, its lock and (with Mamba) its Mamba slot: each on its own, so
+    a request without a Mamba slot is released as fully."""
+    with sh.build_harness(**config, chunked_prefill_size=64) as h:
         _fake_clock(h)
         long = h.add_request(_prompt(0, 200))
         first = h.run_round()
