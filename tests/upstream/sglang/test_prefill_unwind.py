@@ -385,11 +385,19 @@ def test_session_held_mamba_slot_is_never_freed(config: dict[str, Any], site: sh
 # --------------------------------------------------------------------------------------------
 # Anything but a miss is not unwound
 # --------------------------------------------------------------------------------------------
-def test_other_exceptions_propagate_unchanged(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("pool failure that is not a miss"), RuntimeError("CUDA error: an illegal memory access")],
+    ids=["ValueError", "RuntimeError"],
+)
+def test_other_exceptions_propagate_unchanged(error: Exception, caplog: pytest.LogCaptureFixture) -> None:
+    """Only the typed miss is unwound: any other exception from the allocation, a RuntimeError
+    included, propagates as it was (the scheduler stops), and the miss's rollback does not run
+    for it: the rows the batch took before the failure are still taken, for its diagnostics."""
     with sh.build_harness(**MAMBA) as h:
         for i in range(3):
             h.add_request(_prompt(i))
-        error = ValueError("pool failure that is not a miss")
+        rows_before = h.free_counts()["req_rows"]
         real_alloc_for_extend = sh.schedule_batch_module.alloc_for_extend
         allocator = h.token_to_kv_pool_allocator
 
@@ -401,13 +409,14 @@ def test_other_exceptions_propagate_unchanged(caplog: pytest.LogCaptureFixture) 
         caplog.set_level(logging.WARNING, logger=SCHEDULER_LOGGER)
         with (
             mock.patch.object(sh.schedule_batch_module, "alloc_for_extend", alloc_for_extend),
-            pytest.raises(ValueError) as raised,
+            pytest.raises(type(error)) as raised,
         ):
             h.run_round()
 
         assert raised.value is error
         assert sh.num_prefill_unwinds(h) == 0
         assert _unwind_records(caplog) == []
+        assert h.free_counts()["req_rows"] < rows_before
 
 
 # --------------------------------------------------------------------------------------------
