@@ -160,6 +160,7 @@ def main() -> int:
     stores = ROOT / "build" / "bench" / "stores"
     stores.mkdir(parents=True, exist_ok=True)
     workers: dict[tuple[str, str], Ranks] = {}
+    bare: list[float] = []
     try:
         for tree, pool in cases:
             store = stores / f"{tree}-{pool}-{os.getpid()}"
@@ -179,15 +180,14 @@ def main() -> int:
             if done % 1000 == 0:
                 elapsed = time.monotonic() - started
                 print(f"bench: {done}/{args.rounds} rounds per case ({elapsed:.0f} s)", flush=True)
+        if args.ranks > 1:
+            bare = run_block(workers["patched", "plain"], args.rounds, command="allreduce ")
     finally:
         for procs in workers.values():
             for proc in procs:
                 assert proc.stdin is not None
                 proc.stdin.close()
                 proc.wait(timeout=60)
-        bare: list[float] = []
-        if args.ranks > 1:
-            bare = run_block(workers["patched", "plain"], args.rounds, command="allreduce ")
     medians = {case: statistics.median(times) for case, times in samples.items()}
     for (tree, pool), median in medians.items():
         label = f"{args.ranks} rank(s) {pool:7s} {tree:9s}"
