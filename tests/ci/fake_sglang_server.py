@@ -107,7 +107,7 @@ class Handler(BaseHTTPRequestHandler):
         with lock:
             host_hit = prefix in seen_prefixes
             seen_prefixes.add(prefix)
-            missed = False
+            missed = aborted = False
             if withheld_tokens > 0 and MODE != "no-withhold":
                 for rank in withhold_ranks:
                     counts[rank]["withheld_readings"] += 1
@@ -118,6 +118,8 @@ class Handler(BaseHTTPRequestHandler):
                 if MODE != "no-miss" and missing["injected_misses"] < limit:
                     missing["injected_misses"] += 1
                     missed = True
+                    # Decided under the lock: a concurrent request may count the next miss first.
+                    aborted = MODE == "abort" and missing["injected_misses"] == 1
             if missed and MODE in ("pristine", "other-death"):
                 died_with[miss_ranks[0]] = ALLOCATION_ERROR if MODE == "pristine" else OTHER_ERROR
             if missed and MODE in PATCHED_MODES:
@@ -135,7 +137,6 @@ class Handler(BaseHTTPRequestHandler):
         n = request["sampling_params"]["max_new_tokens"]
         salt = 7 if MODE == "skewed" else 0
         output = [(sum(ids) + salt + i) % 1000 for i in range(n)]
-        aborted = missed and MODE == "abort" and missing["injected_misses"] == 1
         finish = {"type": "abort", "message": "aborted"} if aborted else {"type": "length", "length": n}
         meta = {
             "finish_reason": finish,
