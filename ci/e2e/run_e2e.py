@@ -398,7 +398,7 @@ def drive(
 
     outcomes: list[Outcome] = []
     with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
-        for wave in waves:
+        for number, wave in enumerate(waves):
             if not alive():
                 outcomes += [Outcome(r.key, False, error="server gone") for r in wave]
                 continue
@@ -409,7 +409,7 @@ def drive(
             outcomes += answered
             if any(map(timed_out, answered)) and alive():
                 # It hung: the later waves would only time out too (the run's bound, not a verdict).
-                later = [r for w in waves[waves.index(wave) + 1 :] for r in w]
+                later = [r for w in waves[number + 1 :] for r in w]
                 outcomes += [Outcome(r.key, False, error="not sent: an earlier request hung") for r in later]
                 break
     return outcomes

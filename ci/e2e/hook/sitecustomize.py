@@ -333,22 +333,25 @@ class AfterImport(importlib.abc.MetaPathFinder):
         loader.exec_module = exec_module
 
 
+def parse_ranks(text: str) -> frozenset[int] | None:
+    """A comma-separated list of TP ranks; empty: every rank (None)."""
+    return frozenset(int(r) for r in text.split(",") if r.strip()) if text.strip() else None
+
+
 def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | None:
     if env.get("CARRY_E2E_INJECT") != "1":
         return None
     counters = env.get("CARRY_E2E_COUNTERS_DIR")
-    ranks = env.get("CARRY_E2E_MISS_RANKS", "")
     injector = Injector(
         int(env.get("CARRY_E2E_MISS_LIMIT", "3")),
         Path(counters) if counters else None,
-        frozenset(int(r) for r in ranks.split(",") if r.strip()) if ranks.strip() else None,
+        parse_ranks(env.get("CARRY_E2E_MISS_RANKS", "")),
     )
     rank_local = env.get("CARRY_E2E_RANK_LOCAL") == "1"
-    withhold_ranks = env.get("CARRY_E2E_WITHHOLD_RANKS", "")
     withholder = Withholder(
         injector,
         int(env.get("CARRY_E2E_WITHHELD_TOKENS", "0")),
-        frozenset(int(r) for r in withhold_ranks.split(",") if r.strip()) if withhold_ranks.strip() else None,
+        parse_ranks(env.get("CARRY_E2E_WITHHOLD_RANKS", "")),
     )
 
     def patch_batch(module: Any) -> None:
