@@ -198,7 +198,7 @@ def main() -> int:
         for tree in [t for t in trees if t != "pristine"]:
             cost = medians[tree, "elastic"] - medians["pristine", "elastic"]
             print(
-                f"{args.ranks} rank(s), elastic pool, {tree}: patched/pristine median ratio "
+                f"{args.ranks} rank(s), elastic pool: {tree}/pristine median ratio "
                 f"{medians[tree, 'elastic'] / medians['pristine', 'elastic']:.4f}, "
                 f"the agreement costs {cost * 1e6:.0f} us per round"
             )
