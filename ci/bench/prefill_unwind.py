@@ -10,10 +10,11 @@ alternating blocks in the same run so machine load drifts hit both alike.
 
 With --ranks 2 each tree runs as two gloo ranks of one attention-TP group (one core each), once
 with plain pools and once with an elastic pool (one whose free space is per rank, so the patched
-scheduler agrees on every round): the plain ratio must stay at or under 1.02; the elastic
-pool's cost per round is printed next to one bare all-reduce of a few integers between the same
-two ranks, timed in the same run. --before REF times an earlier series (a commit of
-upstream/sglang) alongside.
+scheduler agrees on every round that admits): the plain ratio must stay at or under 1.02; the
+elastic pool's cost per round is printed next to one bare all-reduce of a few integers between
+the same two ranks, timed in the same run, and every case prints the all-reduces its rounds made
+(counted on rank 0; the agreement's target is one per round). --before REF times an earlier
+series (a commit of upstream/sglang) alongside.
 
 Trees: worktrees of upstream/sglang at upstream/<version> and carry/<version>, made under build/.
 """
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from sglang_carry.git import Git
 
@@ -60,6 +62,14 @@ if ranks > 1:
     pair = dist.new_group(list(range(ranks)))
     singles = [dist.new_group([r]) for r in range(ranks)]
     config.update(tp_size=ranks, tp_cpu_group=world, attn_tp_cpu_group=pair, attn_cp_cpu_group=singles[rank])
+# The scheduler's all-reduces during timed rounds, counted: the agreement's cost in collectives.
+collectives = [0]
+real_all_reduce = dist.all_reduce if ranks > 1 else None
+def counting_all_reduce(*args, **kwargs):
+    collectives[0] += 1
+    return real_all_reduce(*args, **kwargs)
+if ranks > 1:
+    dist.all_reduce = counting_all_reduce
 harness = sh.build_harness(**config)
 print("ready", flush=True)
 for line in sys.stdin:
@@ -71,12 +81,13 @@ for line in sys.stdin:
         for _ in range(int(line.split()[1])):
             dist.barrier(group=world)
             start = time.perf_counter()
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=pair)
+            real_all_reduce(vote, op=dist.ReduceOp.MAX, group=pair)
             times.append(time.perf_counter() - start)
-        print(json.dumps(times), flush=True)
+        print(json.dumps({"times": times, "collectives": 0}), flush=True)
         continue
     rounds = int(line)
     times = []
+    collectives[0] = 0
     for _ in range(rounds):
         harness.reset()
         if harness.cfg.hicache:
@@ -90,7 +101,7 @@ for line in sys.stdin:
         batch = harness.run_round()
         times.append(time.perf_counter() - start)
         assert batch is not None and len(batch.reqs) >= 3, "the benchmark batch must allocate"
-    print(json.dumps(times), flush=True)
+    print(json.dumps({"times": times, "collectives": collectives[0]}), flush=True)
 """
 
 
@@ -123,14 +134,20 @@ def start_worker(tree: Path, config: dict[str, object], ranks: int, store: Path)
     return procs
 
 
-def run_block(procs: Ranks, rounds: int, command: str = "") -> list[float]:
+class Block(NamedTuple):
+    times: list[float]  # per round, its slowest rank's
+    collectives: int  # the all-reduces rank 0 made in the block's rounds
+
+
+def run_block(procs: Ranks, rounds: int, command: str = "") -> Block:
     """Every rank runs the block; a round takes as long as its slowest rank."""
     for proc in procs:
         assert proc.stdin is not None
         proc.stdin.write(f"{command}{rounds}\n")
         proc.stdin.flush()
     per_rank = [json.loads(proc.stdout.readline()) for proc in procs if proc.stdout is not None]
-    return [max(times) for times in zip(*per_rank, strict=True)]
+    times = [max(each) for each in zip(*(rank["times"] for rank in per_rank), strict=True)]
+    return Block(times, per_rank[0]["collectives"])
 
 
 def main() -> int:
@@ -170,18 +187,21 @@ def main() -> int:
         for procs in workers.values():
             run_block(procs, args.warmup)
         samples: dict[tuple[str, str], list[float]] = {case: [] for case in workers}
+        collectives = dict.fromkeys(workers, 0)
         started = time.monotonic()
         order = list(workers)
         while len(samples["patched", "plain"]) < args.rounds:
             for case in order:
-                samples[case].extend(run_block(workers[case], args.block))
+                block = run_block(workers[case], args.block)
+                samples[case].extend(block.times)
+                collectives[case] += block.collectives
             order.reverse()
             done = len(samples["patched", "plain"])
             if done % 1000 == 0:
                 elapsed = time.monotonic() - started
                 print(f"bench: {done}/{args.rounds} rounds per case ({elapsed:.0f} s)", flush=True)
         if args.ranks > 1:
-            bare = run_block(workers["patched", "plain"], args.rounds, command="allreduce ")
+            bare = run_block(workers["patched", "plain"], args.rounds, command="allreduce ").times
     finally:
         for procs in workers.values():
             for proc in procs:
@@ -191,7 +211,11 @@ def main() -> int:
     medians = {case: statistics.median(times) for case, times in samples.items()}
     for (tree, pool), median in medians.items():
         label = f"{args.ranks} rank(s) {pool:7s} {tree:9s}"
-        print(f"{label} median {median * 1e3:.4f} ms over {args.rounds} rounds")
+        per_round = collectives[tree, pool] / len(samples[tree, pool])
+        print(
+            f"{label} median {median * 1e3:.4f} ms over {args.rounds} rounds, "
+            f"{per_round:.2f} all-reduce(s) per round"
+        )
     ratio = medians["patched", "plain"] / medians["pristine", "plain"]
     print(f"{args.ranks} rank(s), plain pools: patched/pristine median ratio {ratio:.4f} (target <= 1.02)")
     if "elastic" in pools:

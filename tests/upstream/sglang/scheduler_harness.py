@@ -476,6 +476,14 @@ def num_prefill_unwinds(h: Harness) -> int:
 # --------------------------------------------------------------------------------------------
 # Configuration and the harness object
 # --------------------------------------------------------------------------------------------
+class _Admitted(Exception):
+    """Raised where a round's allocation would start, carrying its batch (admitted_batch)."""
+
+    def __init__(self, batch: ScheduleBatch) -> None:
+        super().__init__("admitted")
+        self.batch = batch
+
+
 @dataclass(frozen=True)
 class HarnessConfig:
     page_size: int = 1
@@ -564,6 +572,23 @@ class Harness:
         self.scheduler._add_request_to_queue(req)
         assert self.scheduler.waiting_queue[-1] is req
         return req
+
+    def admitted_batch(self) -> ScheduleBatch:
+        """The batch the next round admits, stopped where its allocation would start: the real
+        admission runs (`_get_new_batch_prefill_raw`: locks, Mamba slots, the new batch), then
+        `alloc_for_extend` is not run. The test allocates the batch itself (prepare_for_extend,
+        or allocate_for_extend where the series splits it). The scheduler's own bookkeeping of
+        that round is left as it stopped: build a fresh harness for the next round."""
+
+        def stop(batch: ScheduleBatch) -> Any:
+            raise _Admitted(batch)
+
+        with mock.patch.object(schedule_batch_module, "alloc_for_extend", stop):
+            try:
+                self.run_round()
+            except _Admitted as admitted:
+                return admitted.batch
+        raise AssertionError("the round admitted no batch")
 
     def run_round(self) -> ScheduleBatch | None:
         """One prefill round: the real `get_new_batch_prefill` (no prefill delayer), which calls

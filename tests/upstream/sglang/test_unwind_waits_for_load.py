@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 import scheduler_harness as sh
-import test_prefill_unwind
+import test_rank_agreement
 
 PREFIX = list(range(100, 132))  # 32 tokens: whole pages for page_size 1 and 4
 PING_PONG: dict[str, Any] = {"mamba": True, "ping_pong": True}
@@ -299,7 +299,7 @@ def test_nothing_released_before_the_wait(case: StrictCase) -> None:
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_ranks() -> Any:
-    return test_prefill_unwind.run_two_ranks(["tp_hicache_host"])
+    return test_rank_agreement.run_two_ranks(["tp_hicache_host"])
 
 
 def test_two_ranks_the_rank_that_did_not_miss_waits_for_its_load(two_ranks: Any) -> None:

@@ -1,0 +1,717 @@
+"""The ranks of one group agree on each prefill round (series entry "Scheduler: the ranks of a
+group agree on their free space and on each prefill round", sgl-project/sglang#34676).
+
+With a pool whose free space is decided on each rank (kvcached's elastic pools: each GPU maps
+memory on demand, shared with co-tenants) the ranks of one attention group would admit, evict and
+size chunks differently, and a miss on one rank would leave the others running the batch. With
+the patch such a pool says so (`rank_local_capacity`; composite pools answer for their parts);
+the ranks agree on its free space before admission (carried by the previous round's vote where it
+still holds), and after allocation on the round: run, put back everywhere, or a divergence that
+is reported and, repeated, stops the scheduler. Two forked gloo ranks, with the TP, attention-TP
+and attention-CP groups as distinct objects; single-process tests for the capability and the
+collectives a round makes.
+
+Expected: these tests FAIL with the single-rank unwind alone and PASS with the patch, except
+`test_dp_attention_ranks_do_not_agree` and `test_a_kvcached_attribute_alone_turns_nothing_on`,
+which pin what the patch must leave alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+import types
+from collections.abc import Iterator
+from typing import Any, Literal, NamedTuple
+from unittest import mock
+
+import forked_ranks
+import pytest
+import scheduler_harness as sh
+import torch
+import torch.distributed as dist
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from test_prefill_unwind import CHUNK, MAMBA, PING_PONG, PREFIX, _charged, _prompt, _start_chunked
+
+# --------------------------------------------------------------------------------------------
+# Two ranks over gloo, with the parallel groups as distinct objects
+# --------------------------------------------------------------------------------------------
+RANKS = 2
+
+
+SCENARIO_ERROR = "error"  # a scenario that raised on a rank: its traceback
+
+
+RANK_TIMEOUT_S = 180  # join limit; the collectives themselves time out after 30 s
+
+
+MISSING_RANK = 1
+
+
+Topology = Literal["tp", "cp", "dp_attention"]
+
+
+class RankScenario(NamedTuple):
+    config: dict[str, Any]
+    topology: Topology  # which group spans both ranks (see _groups)
+    site: sh.MissSite | None  # armed on MISSING_RANK only
+    # What the round's batch starts with ("session_first": a streaming session's first turn).
+    first: Literal["fresh", "session", "session_first", "chunked", "host"]
+    # From before the first round, a co-tenant maps rank 0's KV memory away (kvcached computes
+    # free space per rank) until rank 0 has only this many free tokens: it would admit less.
+    rank0_free_tokens: int | None = None
+
+
+ELASTIC: dict[str, Any] = {"elastic": True}
+
+
+RANK_SCENARIOS = {
+    "tp_mamba_ping_pong": RankScenario({**PING_PONG, **ELASTIC}, "tp", "token_slots", "fresh"),
+    # page 4, a streaming-session turn on a 30-token prefix: its extend starts inside the
+    # prefix's last page, which `give_back_extend` must not free on the rank that did not miss.
+    "tp_paged_session": RankScenario({"page_size": 4, **ELASTIC}, "tp", "paged_extend", "session"),
+    # A streaming session's first turn: its allocation hands the request's record and admission
+    # lock to a new session slot, on the rank that did not miss.
+    "tp_session_first_turn": RankScenario(ELASTIC, "tp", "token_slots", "session_first"),
+    # A continuing chunked request with ping-pong tracking (its second chunk is unwound).
+    "tp_chunked_ping_pong": RankScenario(
+        {**PING_PONG, "chunked_prefill_size": CHUNK, **ELASTIC}, "tp", "token_slots", "chunked"
+    ),
+    # Context parallel: the attention-CP group spans the ranks, attention-TP is one rank each.
+    "cp_mamba": RankScenario({**MAMBA, **ELASTIC}, "cp", "token_slots", "fresh"),
+    # DP attention: each rank schedules its own batch; TP spans both ranks but must not agree.
+    "dp_attention_mamba": RankScenario({**MAMBA, **ELASTIC}, "dp_attention", "token_slots", "fresh"),
+    # No miss: rank 0's pool has less free space than rank 1's.
+    "tp_skewed_free": RankScenario(ELASTIC, "tp", None, "fresh", rank0_free_tokens=40),
+    # A host hit: the round starts a HiCache load on both ranks, rank 1 misses.
+    "tp_hicache_host": RankScenario(
+        {**MAMBA, **ELASTIC, "hicache": True, "auto_complete_events": False}, "tp", "token_slots", "host"
+    ),
+}
+
+
+UNWIND_BOTH = [
+    "tp_mamba_ping_pong",
+    "tp_paged_session",
+    "tp_session_first_turn",
+    "tp_chunked_ping_pong",
+    "cp_mamba",
+]
+
+
+def _req_state(req: Req) -> tuple[Any, ...]:
+    """What a rank knows about a request, to compare ranks (pool indices may differ)."""
+    kv = req.kv
+    return (
+        req.rid,
+        kv.holds_kv,
+        kv.holds_mamba,
+        kv.kv_allocated_len,
+        kv.kv_committed_len,
+        req.cached_tokens,
+        req.already_computed,
+        req.extend_batch_idx,
+        req.inflight_middle_chunks,
+        kv.mamba_next_track_idx,
+        kv.mamba_last_track_idx,
+    )
+
+
+def _release_order(entries: list[tuple[str, str]]) -> dict[str, Any]:
+    """Where, in a rank's device log, it waited on a load and, once the load started, released a
+    lock or a Mamba slot (admission's own releases come before the load starts)."""
+    starts = [i for i, (op, name) in enumerate(entries) if op == "record" and name.startswith("load")]
+    load_start = starts[0] if starts else len(entries)
+    syncs = [i for i, (op, _) in enumerate(entries) if op == "synchronize"]
+    releases = [
+        i for i, (op, _) in enumerate(entries) if i > load_start and op in ("dec_lock_ref", "mamba_free")
+    ]
+    locks = [i for i in releases if entries[i][0] == "dec_lock_ref"]
+    return {
+        "synchronized": [entries[i][1] for i in syncs],
+        "first_sync": syncs[0] if syncs else None,
+        "first_release": releases[0] if releases else None,
+        "first_lock_release": locks[0] if locks else None,
+    }
+
+
+def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str, Any]:
+    sched = h.scheduler
+    reqs: list[Req] = []
+    if scenario.first == "session":
+        first_turn = _prompt(7, 30)
+        session = h.open_streaming_session(first_turn)
+        reqs.append(h.add_request([*first_turn, 5, 6, 7, 8, 9], session=session))
+    elif scenario.first == "session_first":
+        session = sh.Session(capacity_of_str_len=1 << 16, session_id="first-turn", streaming=True)
+        reqs.append(h.add_request(_prompt(7, 30), session=session))
+    elif scenario.first == "chunked":
+        reqs.append(_start_chunked(h, 100))  # both ranks run its first chunk
+    elif scenario.first == "host":
+        h.put_prefix_on_host(PREFIX)
+        reqs.append(h.add_request([*PREFIX, 7, 8, 9]))
+    reqs += [h.add_request(_prompt(i)) for i in range(4 - len(reqs))]
+    before = h.free_counts()
+    protected_before = h.tree_cache.protected_size()
+    h.device_log.clear()
+    with contextlib.ExitStack() as stack:
+        reported = stack.enter_context(
+            h.arm_miss(scenario.site)
+            if rank == MISSING_RANK and scenario.site
+            else contextlib.nullcontext([])
+        )
+        stack.enter_context(h.spy_releases())
+        batch = h.run_round()
+    consumer = [int(name) for op, name in h.device_log.entries if op == "consumer"]
+    result: dict[str, Any] = {
+        "batch": None if batch is None else [r.rid for r in batch.reqs],
+        "reported": list(reported),
+        "before": before,
+        "after": h.free_counts(),
+        "queue": [r.rid for r in sched.waiting_queue],
+        "chunked": None if sched.chunked_req is None else sched.chunked_req.rid,
+        "unwinds": sh.num_prefill_unwinds(h),
+        "cap": sched.prefill_unwind_admit_cap,
+        "protected": (protected_before, h.tree_cache.protected_size()),
+        "state_after_unwind": [_req_state(r) for r in reqs],
+        "order": _release_order(h.device_log.entries),
+        "finish_event": (
+            h.layer_done_counter.events[consumer[0]].finish_event.name
+            if consumer and consumer[0] >= 0
+            else None
+        ),
+    }
+    result["session_slots"] = _session_slots(h)
+    h.prepare_next_round()
+    retry = h.run_round()
+    result["retry"] = None if retry is None else [r.rid for r in retry.reqs]
+    result["session_slots_after_retry"] = _session_slots(h)
+    if scenario.rank0_free_tokens is not None:
+        for req in {*(batch.reqs if batch else []), *(retry.reqs if retry else [])}:
+            h.finish_request(req)
+        h.prepare_next_round()
+        result["idle_leaks_agreed"] = h.idle_leak_report()
+        getattr(sched, "_release_agreed_free_space", lambda: None)()  # what on_idle does when idle
+        result["idle_leaks_released"] = h.idle_leak_report()
+    result["state_after_retry"] = [_req_state(r) for r in reqs]
+    return result
+
+
+@contextlib.contextmanager
+def _cotenant(h: sh.Harness, leave_free: int) -> Iterator[None]:
+    """Another engine maps this rank's KV memory away until `leave_free` tokens are free (what a
+    kvcached co-tenant does to one GPU); it gives them back on exit."""
+    allocator = h.token_to_kv_pool_allocator
+    taken = allocator.alloc(allocator.available_size() - leave_free)
+    assert taken is not None
+    try:
+        yield
+    finally:
+        allocator.free(taken)
+
+
+def _session_slots(h: sh.Harness) -> dict[str, bool] | None:
+    """Each streaming session slot, by id: whether it holds a tree lock (None: no such cache)."""
+    session_cache = getattr(h.tree_cache, "session", None)
+    if session_cache is None:
+        return None
+    return {sid: _slot_holds_lock(slot) for sid, slot in session_cache.slots.items()}
+
+
+def _slot_holds_lock(slot: Any) -> bool:
+    """Up to 0.5.21 a slot keeps its first turn's tree node and lock receipt (`last_node`,
+    `lock_receipt`); from 0.5.22 on the lock itself (`lock`)."""
+    if hasattr(slot, "lock"):
+        return slot.lock is not None
+    return slot.last_node is not None
+
+
+def _groups(topology: Topology, rank: int, world: Any, pair: Any, singles: list[Any]) -> dict[str, Any]:
+    """The harness's groups for one rank: `pair` spans both ranks, `singles[rank]` is this rank
+    alone, and the TP group is `world`, an object distinct from `pair`."""
+    alone = singles[rank]
+    if topology == "tp":
+        return {"tp_cpu_group": world, "attn_tp_cpu_group": pair, "attn_cp_cpu_group": alone}
+    if topology == "cp":
+        return {"tp_cpu_group": world, "attn_tp_cpu_group": alone, "attn_cp_cpu_group": pair}
+    return {
+        "tp_cpu_group": world,
+        "attn_tp_cpu_group": alone,
+        "attn_cp_cpu_group": alone,
+        "enable_dp_attention": True,
+    }
+
+
+def _rank_body(names: list[str]) -> Any:
+    """One rank: every group built by both ranks in the same order, then the named scenarios."""
+
+    def body(rank: int) -> dict[str, Any]:
+        world = dist.new_group(list(range(RANKS)), backend="gloo")
+        pair = dist.new_group(list(range(RANKS)), backend="gloo")
+        singles = [dist.new_group([r], backend="gloo") for r in range(RANKS)]
+        assert world is not pair
+
+        def run(name: str) -> dict[str, Any]:
+            if name in MULTI_ROUND_SCENARIOS:
+                groups = _groups("tp", rank, world, pair, singles)
+                chunk = {"chunked_prefill_size": CHUNK} if name in CHUNKED_SCENARIOS else {}
+                with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
+                    return MULTI_ROUND_SCENARIOS[name](h, rank)
+            scenario = RANK_SCENARIOS[name]
+            groups = _groups(scenario.topology, rank, world, pair, singles)
+            with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
+                skewed = rank == 0 and scenario.rank0_free_tokens is not None
+                with _cotenant(h, scenario.rank0_free_tokens or 0) if skewed else contextlib.nullcontext():
+                    return _rank_scenario(h, rank, scenario)
+
+        out: dict[str, Any] = {}
+        for name in names:
+            try:
+                out[name] = run(name)
+            except Exception:  # this scenario's tests fail with it; the others still run
+                out[name] = {SCENARIO_ERROR: traceback.format_exc()}
+            dist.barrier(group=world)  # a hung scenario shows up as a timeout here
+        return out
+
+    return body
+
+
+class TwoRanks(NamedTuple):
+    results: dict[int, dict[str, Any]]  # rank -> scenario name -> what _rank_scenario saw
+    errors: list[str]  # a rank's traceback, or a hang
+
+    def scenario(self, name: str) -> dict[int, dict[str, Any]]:
+        assert not self.errors, "\n".join(self.errors)
+        found = {rank: result[name] for rank, result in self.results.items()}
+        failed = [f"rank {rank}: {r[SCENARIO_ERROR]}" for rank, r in found.items() if SCENARIO_ERROR in r]
+        assert not failed, "\n".join(failed)
+        return found
+
+
+def run_two_ranks(names: list[str]) -> TwoRanks:
+    """Run the named scenarios on two forked gloo ranks."""
+    with sh.build_harness():  # import sglang's model registry once, before forking
+        pass
+    results, errors = forked_ranks.run_forked_ranks(
+        _rank_body(names), ranks=RANKS, timeout_s=RANK_TIMEOUT_S, collective_timeout_s=30
+    )
+    return TwoRanks(results, errors)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    """The scenarios of this module, run once on both ranks (the HiCache one belongs to the wait
+    entry, test_unwind_waits_for_load.py)."""
+    return run_two_ranks(
+        [name for name in RANK_SCENARIOS if name != "tp_hicache_host"] + list(MULTI_ROUND_SCENARIOS)
+    )
+
+
+@pytest.mark.parametrize("name", UNWIND_BOTH)
+def test_two_ranks_one_miss_both_unwind(two_ranks: TwoRanks, name: str) -> None:
+    ranks = two_ranks.scenario(name)
+    site = RANK_SCENARIOS[name].site
+    for rank, r in ranks.items():
+        assert r["reported"] == ([site] if rank == MISSING_RANK else []), rank
+        assert r["batch"] is None, rank  # the rank that did not miss unwinds too
+        assert r["unwinds"] == 1, rank
+        assert r["after"] == r["before"], rank  # and gives back what it allocated
+        protected_before, protected_after = r["protected"]
+        assert protected_after == protected_before, rank  # admission locks released
+    assert ranks[0]["queue"] == ranks[1]["queue"] != []
+    assert ranks[0]["chunked"] == ranks[1]["chunked"]
+    assert ranks[0]["cap"] == ranks[1]["cap"] is not None
+    # The next round (nothing armed) schedules the same requests on both ranks: the chunked
+    # request, if any, then at most half of the unwound batch.
+    chunked = [] if ranks[0]["chunked"] is None else [ranks[0]["chunked"]]
+    assert ranks[0]["retry"] is not None and ranks[0]["retry"] == ranks[1]["retry"]
+    assert ranks[0]["retry"][: len(chunked)] == chunked
+
+
+@pytest.mark.parametrize("name", UNWIND_BOTH)
+def test_two_ranks_requests_stay_in_step(two_ranks: TwoRanks, name: str) -> None:
+    """The rank that did not miss must not move its requests' prefill progress on (cached_tokens,
+    already_computed, extend_batch_idx, ping-pong indices) before the ranks agree: after the
+    unwind and after the retry both ranks know the same about every request."""
+    ranks = two_ranks.scenario(name)
+    assert ranks[0]["state_after_unwind"] == ranks[1]["state_after_unwind"]
+    assert ranks[0]["state_after_retry"] == ranks[1]["state_after_retry"]
+    assert all(state[5] >= 0 for r in ranks.values() for state in r["state_after_retry"])
+
+
+def test_a_first_turn_gives_its_session_slot_back(two_ranks: TwoRanks) -> None:
+    """On the rank that allocated, a streaming session's first turn moved its admission lock into
+    a new session slot. The unwind takes both back: no slot is left without its row (an abort
+    while queued would then trip the session's one-slot assertion), the lock is released like any
+    admission lock, and the retry opens the slot once, with one lock, on both ranks."""
+    ranks = two_ranks.scenario("tp_session_first_turn")
+    if ranks[0]["session_slots"] is None:
+        pytest.skip("this line has no streaming-session slots")
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    # From 0.5.22 the first turn's allocation opens the slot (maybe_hand_to_session); up to
+    # 0.5.21 the slot is opened only when the turn is cached, so the allocation hands nothing over.
+    opened_by_allocation = hasattr(UnifiedRadixCache, "maybe_hand_to_session")
+    for r in ranks.values():
+        assert r["session_slots"] == {}
+        assert r["session_slots_after_retry"] == ({"first-turn": True} if opened_by_allocation else {})
+
+
+def test_dp_attention_ranks_do_not_agree(two_ranks: TwoRanks) -> None:
+    """Under DP attention each rank schedules its own batch (attention-TP is one rank each):
+    rank 1's miss unwinds rank 1 only, and the TP group, which spans both, is not used."""
+    ranks = two_ranks.scenario("dp_attention_mamba")
+    assert ranks[MISSING_RANK]["batch"] is None and ranks[MISSING_RANK]["unwinds"] == 1
+    assert ranks[0]["batch"] is not None and len(ranks[0]["batch"]) == 4
+    assert ranks[0]["unwinds"] == 0 and ranks[0]["cap"] is None
+
+
+def test_two_ranks_with_different_free_space_admit_alike(two_ranks: TwoRanks) -> None:
+    """Rank 0 has less free space than rank 1 (a co-tenant took most of it). The ranks agree on
+    their free space before admission, so both admit the same batch, what fits rank 0, and run
+    it: nothing is unwound, nothing is charged, and the next round runs the same on both."""
+    ranks = two_ranks.scenario("tp_skewed_free")
+    for r in ranks.values():
+        assert r["reported"] == [] and r["unwinds"] == 0 and r["cap"] is None
+    assert ranks[0]["batch"] is not None and ranks[0]["batch"] == ranks[1]["batch"]
+    assert len(ranks[0]["batch"]) < 4  # what fits rank 0's 40 free tokens, not rank 1's
+    assert ranks[0]["state_after_unwind"] == ranks[1]["state_after_unwind"]
+    assert ranks[0]["queue"] == ranks[1]["queue"]
+    assert ranks[0]["retry"] == ranks[1]["retry"]
+    # Idle, rank 1 still reads rank 0's free space, which sglang's idle leak check would report
+    # as a leak: idle, the scheduler reads each pool as it is again. (Rank 0's co-tenant still
+    # holds its memory here, so its own check is not asked.)
+    assert ranks[1]["idle_leaks_agreed"] != [] and ranks[1]["idle_leaks_released"] == []
+
+
+EVICTION_PREFIXES = [list(range(2000 + 40 * i, 2000 + 40 * i + 32)) for i in range(6)]
+
+
+def _skewed_eviction(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Both ranks cache the same six 32-token prefixes; a co-tenant leaves rank 0 only 16 free
+    tokens. New requests need eviction, then one reuses the oldest prefix (the first LRU victim).
+    Each round's batch (rid, prefix length, extend end) and the tree's evictable size after it."""
+    for prefix in EVICTION_PREFIXES:
+        h.cache_prefix(prefix)
+    rounds: list[Any] = []
+    with _cotenant(h, 16) if rank == 0 else contextlib.nullcontext():
+        for i in range(3):
+            h.add_request(_prompt(i, 40))
+        h.add_request([*EVICTION_PREFIXES[0], 7, 8, 9])
+        for _ in range(12):
+            batch = h.run_round()
+            rounds.append(
+                None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
+            )
+            for req in [] if batch is None else batch.reqs:
+                h.finish_request(req)
+            h.prepare_next_round()
+            rounds.append(h.tree_cache.evictable_size())
+            if not h.scheduler.waiting_queue:
+                break
+    return {
+        "rounds": rounds,
+        "queue": [r.rid for r in h.scheduler.waiting_queue],
+        "unwinds": sh.num_prefill_unwinds(h),
+    }
+
+
+def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Right after the ranks agreed on their free space, before admission, a co-tenant takes
+    nearly all of rank 0's (the race no agreement can see coming). That round rank 0 admits
+    nothing while rank 1 admits: both put it back, both count it, no request is charged. The
+    co-tenant then leaves; the next round agrees again, and both ranks do the same."""
+    sched = h.scheduler
+    reqs = [h.add_request(_prompt(i)) for i in range(3)]
+    with contextlib.ExitStack() as stack:
+        agree = getattr(sched, "_agree_on_free_space", None)
+        if rank == 0 and agree is None:  # a series that agrees on nothing before admission
+            stack.enter_context(_cotenant(h, 2))
+        elif rank == 0:
+
+            def agree_then_lose_memory(agreement: Any) -> None:
+                agree(agreement)
+                stack.enter_context(_cotenant(h, 2))
+
+            stack.enter_context(mock.patch.object(sched, "_agree_on_free_space", agree_then_lose_memory))
+        raced = h.run_round()
+        after_race = {
+            "batch": None if raced is None else [r.rid for r in raced.reqs],
+            "unwinds": sh.num_prefill_unwinds(h),
+            "divergences": getattr(sched, "num_prefill_divergences", 0),
+            "charged": [_charged(r) for r in reqs],
+            "queue": [r.rid for r in sched.waiting_queue],
+        }
+    h.prepare_next_round()
+    agreed = h.run_round()
+    return {**after_race, "agreed": None if agreed is None else [r.rid for r in agreed.reqs]}
+
+
+def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The ranks' trees differ (what per-rank eviction did before the ranks agreed on their free
+    space): rank 0 has a 32-token prefix cached, rank 1 does not. With 64-token chunks both ranks
+    schedule the request's first chunk with the same extend length, but rank 0 would compute
+    tokens 32-96 and rank 1 tokens 0-64 of one batch. The fingerprint covers the prefix length, so
+    the ranks put it back; the third such round in a row stops the scheduler, naming it."""
+    prefix = list(range(3000, 3032))
+    if rank == 0:
+        h.cache_prefix(prefix)
+    req = h.add_request([*prefix, *range(4000, 4100)])
+    outcomes: list[Any] = []
+    for _ in range(3):
+        try:
+            batch = h.run_round()
+        except Exception as error:  # the scheduler stopping
+            outcomes.append(type(error).__name__)
+            break
+        outcomes.append(
+            None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
+        )
+        h.prepare_next_round()
+    return {
+        "outcomes": outcomes,
+        "charged": _charged(req),
+    }
+
+
+def _cotenant_between_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """A round runs alike on both ranks, and its vote carries their free space to the next
+    round. Before that next round, a co-tenant takes most of rank 0's memory: the carried
+    agreement no longer holds, the ranks' admissions differ and the round is put back on both,
+    charged to no request; the round after agrees afresh before admitting, and both ranks run
+    the same batch, what fits rank 0."""
+    h.add_request(_prompt(9))
+    first = h.run_round()
+    assert first is not None
+    h.finish_request(first.reqs[0])
+    h.prepare_next_round()
+    reqs = [h.add_request(_prompt(i)) for i in range(4)]
+    rounds: list[Any] = []
+    with _cotenant(h, 40) if rank == 0 else contextlib.nullcontext():
+        for _ in range(2):
+            batch = h.run_round()
+            rounds.append(None if batch is None else [r.rid for r in batch.reqs])
+            for req in [] if batch is None else batch.reqs:
+                h.finish_request(req)
+            h.prepare_next_round()
+    return {
+        "rounds": rounds,
+        "unwinds": sh.num_prefill_unwinds(h),
+        "charged": [_charged(r) for r in reqs],
+    }
+
+
+def _idle_round_keeps_the_cap(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """After an unwind (rank 1 missed) the next round admits nothing on either rank (the running
+    batch is full): the ranks' vote is IDLE, which must not lift the back-off cap."""
+    sched = h.scheduler
+    running = h.add_request(_prompt(9))
+    first = h.run_round()
+    assert first is not None
+    sched.running_batch = first
+    for i in range(4):
+        h.add_request(_prompt(i))
+    with h.arm_miss("token_slots") if rank == MISSING_RANK else contextlib.nullcontext([]):
+        assert h.run_round() is None
+    cap_after_unwind = sched.prefill_unwind_admit_cap
+    sched.running_batch.batch_is_full = True  # nothing can be admitted this round, on any rank
+    idle = h.run_round()
+    result = {
+        "cap_after_unwind": cap_after_unwind,
+        "idle": idle,
+        "cap_after_idle": sched.prefill_unwind_admit_cap,
+    }
+    h.finish_request(running)
+    return result
+
+
+MULTI_ROUND_SCENARIOS = {
+    "tp_skewed_eviction": _skewed_eviction,
+    "tp_cotenant_race": _cotenant_race,
+    "tp_cotenant_between_rounds": _cotenant_between_rounds,
+    "tp_trees_differ": _trees_differ,
+    "tp_idle_round": _idle_round_keeps_the_cap,
+}
+
+
+CHUNKED_SCENARIOS = {"tp_trees_differ"}
+
+
+def test_ranks_with_different_free_space_evict_alike(two_ranks: TwoRanks) -> None:
+    """With rank 0 short of free space, eviction follows the agreed free space on both ranks, so
+    the trees stay mirrored: every round both ranks schedule the same requests with the same
+    prefix lengths and extend ranges (a request reusing the first prefix evicted included), and
+    their evictable sizes stay equal. Without it rank 0 evicts more, and a prefix cached on one
+    rank only either stalls the request or runs different token ranges on the two ranks."""
+    ranks = two_ranks.scenario("tp_skewed_eviction")
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]
+    assert ranks[0]["queue"] == ranks[1]["queue"] == []
+    assert any(batch for batch in ranks[0]["rounds"][::2])
+
+
+def test_ranks_whose_trees_differ_never_run_the_batch(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_trees_differ")
+    for r in ranks.values():
+        assert r["outcomes"] == [None, None, "PrefillRankDivergence"]
+        assert r["charged"] == 0
+
+
+def test_a_round_where_no_rank_admits_keeps_the_cap(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_idle_round")
+    for r in ranks.values():
+        assert r["cap_after_unwind"] is not None
+        assert r["idle"] is None and r["cap_after_idle"] == r["cap_after_unwind"]
+
+
+def test_a_cotenant_race_is_put_back_and_counted_on_every_rank(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_cotenant_race")
+    for r in ranks.values():
+        assert r["batch"] is None
+        assert r["unwinds"] == 1 and r["divergences"] == 1  # rank 0 admitted nothing, counts too
+        assert r["charged"] == [0, 0, 0]
+    assert ranks[0]["queue"] == ranks[1]["queue"]
+    assert ranks[0]["agreed"] == ranks[1]["agreed"]
+
+
+def test_a_cotenant_between_rounds_costs_one_put_back_round(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_cotenant_between_rounds")
+    for r in ranks.values():
+        assert r["rounds"][0] is None and r["unwinds"] == 1 and r["charged"] == [0, 0, 0, 0]
+        assert r["rounds"][1] is not None and 0 < len(r["rounds"][1]) < 4  # what fits rank 0
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]
+
+
+# Every pool the agreement consults, each of which turns it on alone.
+CONSULTED_POOLS: dict[str, Any] = {
+    "allocator": lambda h: h.token_to_kv_pool_allocator,
+    "kv_cache": lambda h: h.token_to_kv_pool_allocator.get_kvcache(),
+    "request_pool": lambda h: h.req_to_token_pool,
+    "mamba_pool": lambda h: h.req_to_token_pool.mamba_pool,
+    "mamba_slots": lambda h: getattr(h.req_to_token_pool, "mamba_allocator", None),
+}
+
+
+@pytest.mark.parametrize("pool", sorted(CONSULTED_POOLS))
+def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
+    """A pool that declares `rank_local_capacity` (kvcached's elastic pools do) turns the
+    agreement on, whichever of the consulted pools it is: the first round with requests to admit
+    agrees on the free space of the pools that report one, then votes once after allocating,
+    through the tree cache's own all-reduce over the attention groups. A round with nothing to
+    admit (nothing queued, no chunk) makes no collective: no rank can admit in it."""
+    with sh.build_harness(**MAMBA) as h:
+        declaring = CONSULTED_POOLS[pool](h)
+        if declaring is None:
+            pytest.skip(f"this line has no {pool}")
+        declaring.rank_local_capacity = True
+        votes: list[list[int]] = []
+        real = h.tree_cache._all_reduce_attn_groups
+
+        def all_reduce_attn_groups(tensor: torch.Tensor, op: Any) -> None:
+            votes.append(tensor.tolist())
+            real(tensor, op)
+
+        with mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", all_reduce_attn_groups):
+            h.add_request(_prompt(0))
+            assert h.run_round() is not None
+            per_admitting_round = len(votes)
+            assert h.run_round() is None
+        free_space = votes[:-1]
+        # One reading per pool that reports free space (a KV cache, a Mamba state pool: none).
+        readings = int(callable(getattr(declaring, "available_size", None)))
+        assert len(free_space) == readings
+        assert all(free < 0 for free in (free_space or [[-1]])[0])  # MIN as MAX of negatives
+        missed, fingerprint, neg_fingerprint, batch_size, *carried = votes[-1]
+        assert (missed, batch_size) == (0, 1) and fingerprint == -neg_fingerprint != 0
+        assert len(carried) == readings and all(free < 0 for free in carried)
+        assert len(votes) == per_admitting_round  # the empty round made no collective
+
+
+def test_an_admitting_round_makes_one_collective_once_agreed() -> None:
+    """The vote after a round's allocation carries each rank-local pool's free space, which is
+    the next round's agreement when every rank allocated alike: from the second admitting round
+    on, one collective per round. A round put back, and the scheduler going idle, make the next
+    round agree afresh before its admission (two collectives)."""
+    with sh.build_harness(elastic=True) as h:
+        collectives: list[int] = []
+        real = h.tree_cache._all_reduce_attn_groups
+
+        def all_reduce_attn_groups(tensor: torch.Tensor, op: Any) -> None:
+            collectives[-1] += 1
+            real(tensor, op)
+
+        def admitting_round(prompt: int, miss: sh.MissSite | None = None) -> Any:
+            h.add_request(_prompt(prompt))
+            collectives.append(0)
+            with h.arm_miss(miss) if miss else contextlib.nullcontext([]):
+                batch = h.run_round()
+            for req in [] if batch is None else batch.reqs:
+                h.finish_request(req)
+            h.prepare_next_round()
+            return batch
+
+        with mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", all_reduce_attn_groups):
+            assert admitting_round(0) is not None  # first: agree, then vote
+            assert admitting_round(1) is not None  # the first vote carried the agreement
+            assert admitting_round(2, miss="token_slots") is None  # put back
+            assert admitting_round(3) is not None  # after a put-back: agree afresh
+            assert admitting_round(4) is not None
+            h.scheduler._release_agreed_free_space()  # what on_idle does once fully idle
+            assert admitting_round(5) is not None
+        assert collectives == [2, 1, 1, 2, 1, 2]
+
+
+def test_a_rank_local_pool_without_an_agreement_helper_stops_never_unwinds_alone() -> None:
+    """Across TP ranks, a pool whose free space is per rank under a tree cache with no agreement
+    helper (FlexKV's): a miss on one rank cannot be put back on the others, so it stops the
+    scheduler, naming why; a round that allocates runs, with no collective."""
+    with sh.build_harness() as h:
+        h.token_to_kv_pool_allocator.rank_local_capacity = True
+        h.scheduler.tp_cpu_group = object()
+        with (
+            mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", None),
+            mock.patch.object(torch.distributed, "get_world_size", return_value=2),
+            mock.patch.object(torch.distributed, "all_reduce", side_effect=AssertionError("collective")),
+        ):
+            h.add_request(_prompt(0))
+            assert h.run_round() is not None
+            h.add_request(_prompt(1))
+            with h.arm_miss("token_slots"), pytest.raises(RuntimeError, match="no cross-rank agreement"):
+                h.run_round()
+        assert sh.num_prefill_unwinds(h) == 0
+
+
+def test_a_kvcached_attribute_alone_turns_nothing_on() -> None:
+    """The capability is declared, not guessed from kvcached's own attribute names."""
+    with sh.build_harness() as h:
+        h.token_to_kv_pool_allocator.kvcached_allocator = object()
+        with mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", side_effect=AssertionError("agreed")):
+            h.add_request(_prompt(0))
+            assert h.run_round() is not None
+
+
+def test_a_composite_pool_answers_for_its_parts() -> None:
+    """A hybrid-SWA allocator reads its free space from its full and SWA sub-allocators, which
+    kvcached makes elastic: it reports rank-local capacity when one of them does, and the pools
+    whose readings the agreement adjusts are the sub-allocators (never both levels)."""
+    from sglang.srt.mem_cache.allocator.base import has_rank_local_capacity, rank_local_pools
+
+    full = TokenToKVPoolAllocator(64, torch.float16, "cpu", None, False)
+    swa = TokenToKVPoolAllocator(32, torch.float16, "cpu", None, False)
+    composite = SWATokenToKVPoolAllocator.__new__(SWATokenToKVPoolAllocator)
+    composite.full_attn_allocator, composite.swa_attn_allocator = full, swa
+    assert not has_rank_local_capacity(composite) and rank_local_pools(composite) == []
+    swa.rank_local_capacity = True
+    assert has_rank_local_capacity(composite)
+    assert rank_local_pools(composite) == [swa]
+    composite.rank_local_capacity = True  # declared on the composite itself too
+    assert rank_local_pools(composite) == [swa]
+
+    # The hybrid-SWA KV pool, likewise (kvcached makes its full and SWA pools elastic).
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    kv_pool = SWAKVPool.__new__(SWAKVPool)
+    static, elastic = types.SimpleNamespace(), types.SimpleNamespace(rank_local_capacity=True)
+    kv_pool.full_kv_pool, kv_pool.swa_kv_pool = static, elastic
+    assert has_rank_local_capacity(kv_pool) and rank_local_pools(kv_pool) == [elastic]
