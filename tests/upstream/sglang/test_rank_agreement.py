@@ -476,6 +476,37 @@ def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     }
 
 
+def _cotenant_within_a_round(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Right after the first round's agreement, a co-tenant takes part of rank 0's memory, not
+    so much that the round misses: it runs on both ranks, and its vote carries rank 0's lower
+    free space. The next round admits by that, alike on both ranks, and runs: nothing is put
+    back. (An agreement kept from before the co-tenant would have rank 1 admit more.)"""
+    sched = h.scheduler
+    h.add_request(_prompt(9))
+    with contextlib.ExitStack() as stack:
+        agree = getattr(sched, "_agree_on_free_space", None)
+        if rank == 0 and agree is not None:
+            taken: list[bool] = []
+
+            def agree_then_lose_memory(agreement: Any) -> None:
+                agree(agreement)
+                if not taken:
+                    taken.append(True)
+                    stack.enter_context(_cotenant(h, 60))
+
+            stack.enter_context(mock.patch.object(sched, "_agree_on_free_space", agree_then_lose_memory))
+        rounds: list[Any] = []
+        for prompts in ([], range(4)):
+            for i in prompts:
+                h.add_request(_prompt(i))
+            batch = h.run_round()
+            rounds.append(None if batch is None else [r.rid for r in batch.reqs])
+            for req in [] if batch is None else batch.reqs:
+                h.finish_request(req)
+            h.prepare_next_round()
+        return {"rounds": rounds, "unwinds": sh.num_prefill_unwinds(h)}
+
+
 def _cotenant_between_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
     """A round runs alike on both ranks, and its vote carries their free space to the next
     round. Before that next round, a co-tenant takes most of rank 0's memory: the carried
@@ -531,6 +562,7 @@ MULTI_ROUND_SCENARIOS = {
     "tp_skewed_eviction": _skewed_eviction,
     "tp_cotenant_race": _cotenant_race,
     "tp_cotenant_between_rounds": _cotenant_between_rounds,
+    "tp_cotenant_within_a_round": _cotenant_within_a_round,
     "tp_trees_differ": _trees_differ,
     "tp_idle_round": _idle_round_keeps_the_cap,
 }
@@ -580,6 +612,14 @@ def test_a_cotenant_between_rounds_costs_one_put_back_round(two_ranks: TwoRanks)
     for r in ranks.values():
         assert r["rounds"][0] is None and r["unwinds"] == 1 and r["charged"] == [0, 0, 0, 0]
         assert r["rounds"][1] is not None and 0 < len(r["rounds"][1]) < 4  # what fits rank 0
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]
+
+
+def test_the_vote_carries_the_free_space_the_round_ended_with(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_cotenant_within_a_round")
+    for r in ranks.values():
+        assert r["unwinds"] == 0 and None not in r["rounds"]
+        assert 0 < len(r["rounds"][1]) < 4  # what fits rank 0 after its co-tenant
     assert ranks[0]["rounds"] == ranks[1]["rounds"]
 
 
