@@ -22,6 +22,7 @@ from .series import (
     read_series_folder,
     render_revision_file,
     render_series_file,
+    revision_digest,
 )
 
 # format-patch writes an empty file for a commit with no diff; an Applied-Upstream entry is such a
@@ -251,9 +252,12 @@ def export(project: Project, target: Target, force: bool = False, runner: Runner
     _refuse_overwriting_strays(folder, names)
     if not force:
         _refuse_losing_work(folder, target, names, exported, _applied_digest(git, target))
-    digest = contents_digest(exported, names)
-    revision = folder.revision if digest == folder.recorded_digest else folder.revision + 1
-    changed = _write_series(folder, names, exported, render_revision_file(revision, digest))
+    content = contents_digest(exported, names)
+    unchanged = revision_digest(content, folder.revision) == folder.recorded_digest
+    revision = folder.revision if unchanged else folder.revision + 1
+    changed = _write_series(
+        folder, names, exported, render_revision_file(revision, revision_digest(content, revision))
+    )
     for stray in folder.strays:
         print(
             f"export: {folder.label}/{stray} is not in the series and was left in place: "

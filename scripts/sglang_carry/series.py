@@ -72,15 +72,30 @@ class Series:
     def revision_is_current(self) -> bool:
         if not self.entries and self.recorded_digest is None:
             return self.revision == 0
-        return self.recorded_digest == self.digest()
+        return self.recorded_digest == revision_digest(self.digest(), self.revision)
+
+    def revision_changed_by_hand(self) -> int | None:
+        """The revision `carry export` recorded for these very files, when only the number in
+        the revision file differs from it (None: the files changed, or nothing did)."""
+        if self.revision_is_current() or self.recorded_digest is None:
+            return None
+        return recorded_revision(self.digest(), self.recorded_digest)
 
     def require_current_revision(self) -> None:
-        if not self.revision_is_current():
+        if self.revision_is_current():
+            return
+        recorded = self.revision_changed_by_hand()
+        if recorded is not None:
             raise CarryError(
-                f"{self.label} was edited by hand since revision {self.revision} was recorded: "
-                f"`carry apply {self.name} --upstream {self.version}` rebuilds the branch from the files, "
-                "then `carry export` records them as a new revision"
+                f"{self.label}/{REVISION_FILE} says revision {self.revision}, but `carry export` "
+                f"recorded these patches as revision {recorded} (only `carry export` changes it): "
+                f"restore it with `git checkout -- {self.label}/{REVISION_FILE}`"
             )
+        raise CarryError(
+            f"{self.label} was edited by hand since revision {self.revision} was recorded: "
+            f"`carry apply {self.name} --upstream {self.version}` rebuilds the branch from the files, "
+            "then `carry export` records them as a new revision"
+        )
 
     def require_something_to_carry(self) -> None:
         """Refuse to build or verify a line nobody has ported the series to (it would be upstream
@@ -97,6 +112,25 @@ class Series:
 def series_digest(directory: Path, filenames: Sequence[str]) -> str:
     """Hash of everything that defines the series; the revision grows whenever it changes."""
     return contents_digest({name: (directory / name).read_bytes() for name in filenames}, filenames)
+
+
+def revision_digest(content_digest: str, revision: int) -> str:
+    """What a revision file records as `series-sha256`: the series' contents and its revision
+    together, so that a revision changed by hand (another version for the same patches, or one
+    version for two series) is seen as an edit."""
+    return hashlib.sha256(f"{content_digest}\nrevision {revision}\n".encode()).hexdigest()
+
+
+# How far back `recorded_revision` looks for the number a hand edit replaced.
+REVISION_SEARCH_LIMIT = 10_000
+
+
+def recorded_revision(content_digest: str, recorded: str) -> int | None:
+    """The revision whose digest, with these contents, is the recorded one."""
+    return next(
+        (n for n in range(1, REVISION_SEARCH_LIMIT) if revision_digest(content_digest, n) == recorded),
+        None,
+    )
 
 
 def contents_digest(contents: Mapping[str, bytes], filenames: Sequence[str]) -> str:
@@ -252,10 +286,19 @@ def read_revision(directory: Path, label: str) -> tuple[int, str | None]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
         revision = data["revision"]
         digest = data["series-sha256"]
-    except (tomllib.TOMLDecodeError, KeyError) as exc:
+    except (tomllib.TOMLDecodeError, KeyError, UnicodeDecodeError) as exc:
         raise CarryError(f"{label}/{REVISION_FILE} is unreadable ({exc}): {restore}") from exc
-    if not isinstance(revision, int) or not isinstance(digest, str):
-        raise CarryError(f"{label}/{REVISION_FILE} has wrong field types: {restore}")
+    # bool is an int to Python; `revision = true` is not a revision.
+    if type(revision) is not int or not isinstance(digest, str):
+        raise CarryError(
+            f"{label}/{REVISION_FILE} has wrong field types (revision must be an integer, "
+            f"series-sha256 a string): {restore}"
+        )
+    if revision < 1:
+        raise CarryError(
+            f"{label}/{REVISION_FILE} says revision {revision}; a revision is a positive integer that "
+            f"only `carry export` raises: {restore}"
+        )
     return revision, digest
 
 
@@ -283,10 +326,12 @@ class SeriesFolder:
         return contents_digest(self.contents, self.listed)
 
     def edited_since_export(self) -> bool:
-        """True when the files are not what the last `carry export` recorded (a hand edit)."""
+        """True when the files or the revision are not what the last `carry export` recorded (a
+        hand edit)."""
         if not self.listed and self.recorded_digest is None:
             return False
-        return self.digest() != self.recorded_digest
+        content = self.digest()
+        return content is None or revision_digest(content, self.revision) != self.recorded_digest
 
 
 def read_series_folder(patches_dir: Path, name: str, version: str) -> SeriesFolder:

@@ -68,6 +68,11 @@ def _describe_download(project: Project, target: Target, line: LineStatus) -> No
     line.lines.append(f"  pin       {pinned.filename} sha256 {pinned.sha256[:16]}… {shown}")
 
 
+def _entries(series: Series) -> str:
+    count = len(series.entries)
+    return f"{count} {'entry' if count == 1 else 'entries'}"
+
+
 def _describe_series(project: Project, target: Target, runner: Runner, line: LineStatus) -> Series | None:
     label = f"patches/{target.name}/{target.version}"
     try:
@@ -82,10 +87,17 @@ def _describe_series(project: Project, target: Target, runner: Runner, line: Lin
     elif not series.entries:
         state, shown = "none", "no series yet (build and verify refuse this line)"
     elif series.revision_is_current():
-        state, shown = "recorded", f"{len(series.entries)} entries, revision {series.revision} recorded"
+        state, shown = "recorded", f"{_entries(series)}, revision {series.revision} recorded"
+    elif (recorded := series.revision_changed_by_hand()) is not None:
+        state = "edited"
+        shown = (
+            f"{_entries(series)}, revision CHANGED by hand to {series.revision} "
+            f"(recorded: {recorded}; `git checkout -- {label}/revision` restores it)"
+        )
+        line.problems.append(f"{label}/revision was changed by hand from {recorded} to {series.revision}")
     else:
         state = "edited"
-        shown = f"{len(series.entries)} entries, EDITED by hand since revision {series.revision} (see README)"
+        shown = f"{_entries(series)}, EDITED by hand since revision {series.revision} (see README)"
         line.problems.append(f"{label} was edited by hand since its revision was recorded")
     line.record["series"] = {
         "path": label,

@@ -66,6 +66,18 @@ def test_status_exit_codes(demo: DemoProject, capsys: pytest.CaptureFixture[str]
     assert "WRONG sha256" in capsys.readouterr().out
 
 
+def test_status_shows_a_revision_changed_by_hand(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carried(demo)
+    revision = demo.series_dir / "revision"
+    revision.write_text(revision.read_text().replace("revision = 1", "revision = 7"))
+    assert demo.carry("status", "demo") == 1
+    out = capsys.readouterr().out
+    assert "1 entry, revision CHANGED by hand to 7 (recorded: 1;" in out
+    assert "git checkout -- patches/demo/1.0/revision` restores it" in out
+
+
 def test_status_json(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
     carried(demo)
     capsys.readouterr()

@@ -134,6 +134,47 @@ def test_build_refuses_a_series_changed_since_its_revision(demo: DemoProject) ->
         build(demo.project, demo.target())
 
 
+REVISIONS_REFUSED = {
+    "-5": "a revision is a positive integer",
+    "0": "a revision is a positive integer",
+    "true": "wrong field types",
+    '"2"': "wrong field types",
+    "1.5": "wrong field types",
+}
+
+
+@pytest.mark.parametrize("value", REVISIONS_REFUSED)
+def test_a_revision_that_is_not_a_positive_integer_is_refused(demo: DemoProject, value: str) -> None:
+    """`revision = -5` would build `+carry.-5` (not PEP 440), `true` `+carry.True`: one line that
+    names the file, what is wrong and the way back, and nothing is built."""
+    carry_fix(demo)
+    revision = demo.series_dir / "revision"
+    revision.write_text(revision.read_text().replace("revision = 1", f"revision = {value}"))
+    with pytest.raises(CarryError) as refused:
+        build(demo.project, demo.target())
+    message = str(refused.value)
+    assert message.startswith("patches/demo/1.0/revision ") and "\n" not in message
+    assert REVISIONS_REFUSED[value] in message
+    assert "git checkout -- patches/demo/1.0/revision" in message
+    assert not list((demo.root / "dist").glob("*.whl"))
+
+
+def test_a_revision_changed_by_hand_is_refused_by_its_recorded_number(demo: DemoProject) -> None:
+    """The recorded digest covers the revision: a revision 2 series set back to 1 would build a
+    second, different `+carry.1`. Build names both numbers; status shows it and fails."""
+    carry_fix(demo)
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Fix it again"))
+    export(demo.project, demo.target())
+    assert build(demo.project, demo.target()).name == "demo-1.0+carry.2-py3-none-any.whl"
+    revision = demo.series_dir / "revision"
+    revision.write_text(revision.read_text().replace("revision = 2", "revision = 1"))
+    with pytest.raises(
+        CarryError,
+        match=r"revision says revision 1, but `carry export` recorded these patches as revision 2",
+    ):
+        build(demo.project, demo.target())
+
+
 def test_record_check_catches_tampering(demo: DemoProject, tmp_path: Path) -> None:
     carry_fix(demo)
     path = build(demo.project, demo.target())
