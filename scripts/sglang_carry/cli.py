@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from . import __version__
+from .checkout_lock import Holder, hold
 from .errors import CarryError
 from .fetch import fetch
 from .files import describe_os_error
@@ -59,6 +61,9 @@ COMMANDS: dict[str, tuple[str, Callable[[Project, list[Target], argparse.Namespa
 # Without --upstream, status looks at every pinned line; the others at each package's newest
 # line that has a series.
 EVERY_LINE_COMMANDS = frozenset({"status"})
+# Commands that only read the checkout; every other one holds its lock (checkout_lock.py).
+READ_ONLY_COMMANDS = frozenset({"status"})
+NO_WAIT_HELP = "refuse, instead of waiting, when another carry command is working in this checkout"
 SIGPIPE_EXIT = 141
 
 
@@ -86,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                 else "upstream version line (default: the newest pinned line that has a series)"
             ),
         )
+        if name not in READ_ONLY_COMMANDS:
+            sub.add_argument("--no-wait", action="store_true", help=NO_WAIT_HELP)
         if name == "export":
             sub.add_argument(
                 "--force",
@@ -129,10 +136,11 @@ def _add_rebase_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "--continue", dest="resume", action="store_true", help="go on after resolving a conflict"
     )
     sub.add_argument("--abort", action="store_true", help="undo the rebase in progress entirely")
+    sub.add_argument("--no-wait", action="store_true", help=NO_WAIT_HELP)
     sub.add_argument(
         "--python",
         default=None,
-        help="interpreter with the test environment (default: .venv-test/bin/python)",
+        help="interpreter with the test environment (default: each line's own, see ci/test-envs.toml)",
     )
     sub.add_argument(
         "--index-url",
@@ -154,17 +162,32 @@ def _rebase(project: Project, args: argparse.Namespace) -> int:
     return rebase(project, request, check=args.check)
 
 
+def _checkout_lock(project: Project, args: argparse.Namespace) -> AbstractContextManager[None]:
+    if args.command in READ_ONLY_COMMANDS:
+        return nullcontext()
+
+    def say_waiting(holder: Holder) -> None:
+        print(
+            f"carry {args.command}: {holder.describe()} is working in this checkout; waiting for it "
+            "to finish (Ctrl-C stops; --no-wait refuses instead)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return hold(project, args.command, wait=not args.no_wait, on_wait=say_waiting)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         project = Project(args.root.resolve()) if args.root else Project.find(Path.cwd())
-        if args.command == "rebase":
-            code = _rebase(project, args)
-            sys.stdout.flush()
-            return code
-        every_line = args.command in EVERY_LINE_COMMANDS
-        targets = select_targets(project, args.packages, args.upstream, every_line)
-        code = COMMANDS[args.command][1](project, targets, args)
+        with _checkout_lock(project, args):
+            if args.command == "rebase":
+                code = _rebase(project, args)
+            else:
+                every_line = args.command in EVERY_LINE_COMMANDS
+                targets = select_targets(project, args.packages, args.upstream, every_line)
+                code = COMMANDS[args.command][1](project, targets, args)
         # Flushed here, not at exit, so a closed pipe is reported below and not as a traceback.
         sys.stdout.flush()
         return code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -133,3 +134,51 @@ def test_the_project_pins_name_known_environments() -> None:
     for target in select_targets(project, [], None, every_line=True):
         assert env_for(project, target.release).venv.parent == project.root
     assert ci_runs(project, EVERY)
+
+
+HANGING_TEST = """
+import time
+
+
+def test_that_hangs():
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("lock", ["ci/requirements-test.lock", "ci/test-envs/torch2.14.lock"])
+def test_every_test_environment_bounds_each_test(lock: str) -> None:
+    """No test may hang: every environment's lock installs pytest-timeout, which the project's
+    pytest configuration turns on."""
+    root = Path(__file__).resolve().parents[2]
+    pins = (root / lock).read_text().splitlines()
+    assert any(line.startswith("pytest-timeout==") for line in pins)
+    assert "\ntimeout = " in (root / "pyproject.toml").read_text()
+
+
+def test_a_hanging_test_is_failed_by_the_bound(tmp_path: Path) -> None:
+    """In this environment, under the project's pytest configuration (its bound lowered to 2 s),
+    a test that sleeps is failed with a timeout instead of waiting."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "test_hang.py").write_text(HANGING_TEST)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(root / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            "-o",
+            "timeout=2",
+            str(tmp_path / "test_hang.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert "Timeout" in run.stdout

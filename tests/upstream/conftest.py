@@ -6,7 +6,7 @@ some patches); otherwise the tree is the checkout's carry branch, upstream/<name
 
 from __future__ import annotations
 
-import hashlib
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -29,9 +29,9 @@ for _name in TREES:
         )
     sys.path.insert(0, str(_tree))
 
-# torch compiles JIT extensions (sglang's HiCache native hash) into ~/.cache/torch_extensions by
-# default: one folder for every tree and process, where concurrent runs on different trees rebuild
-# the extension over each other. Each tree gets its own folder under build/ instead; `carry verify`
-# sets one per tree itself.
-_trees_key = hashlib.sha256("\0".join(str(upstream_tree(n)) for n in TREES).encode()).hexdigest()[:16]
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions" / _trees_key))
+# Each tree set and torch gets its own extension folder, and every build a lock that dies with its
+# builder (extension_builds.py); `carry verify` gives each tree a folder of its own, which this
+# nests in as it nests in a user's TORCH_EXTENSIONS_DIR.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+extension_builds = importlib.import_module("extension_builds")
+extension_builds.install([upstream_tree(n) for n in TREES])
