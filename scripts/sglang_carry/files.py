@@ -6,6 +6,8 @@ import errno
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _REMEDIES = {
@@ -30,17 +32,76 @@ def describe_os_error(exc: OSError) -> str:
     return f"{where}: {reason}: {remedy}"
 
 
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside that names no file (a write's "No space left on device") names
+    ``path``, so its one error line says where."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
+
+
 def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` in one rename inside its own folder."""
-    handle, partial_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    partial = Path(partial_name)
+    with naming(path):
+        handle, partial_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        partial = Path(partial_name)
+        try:
+            with os.fdopen(handle, "wb") as out:
+                out.write(data)
+            partial.chmod(mode)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+# A folder being replaced by replace_folder: the new one while it is written, the old one while
+# the two are swapped.
+INCOMING_SUFFIX = ".incoming"
+OUTGOING_SUFFIX = ".outgoing"
+
+
+def _sibling(folder: Path, suffix: str) -> Path:
+    return folder.with_name(f".{folder.name}{suffix}")
+
+
+def recover_folder(folder: Path) -> None:
+    """Undo what a replace_folder killed part-way left: a half-written new folder goes; an old
+    one set aside but not yet replaced comes back. Only for a caller that holds the checkout's
+    lock, so that no live replace_folder is at work."""
+    incoming, outgoing = _sibling(folder, INCOMING_SUFFIX), _sibling(folder, OUTGOING_SUFFIX)
+    if outgoing.is_dir():
+        if folder.is_dir():
+            shutil.rmtree(outgoing)
+        else:
+            os.rename(outgoing, folder)
+    if incoming.is_dir():
+        shutil.rmtree(incoming)
+
+
+def replace_folder(folder: Path, files: dict[str, bytes], mode: int = 0o644) -> None:
+    """Make ``folder`` hold exactly ``files``, as one unit: they are written into a new folder
+    beside it, which then takes its place. A fault while writing leaves ``folder`` as it was."""
+    recover_folder(folder)
+    incoming, outgoing = _sibling(folder, INCOMING_SUFFIX), _sibling(folder, OUTGOING_SUFFIX)
     try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        partial.chmod(mode)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+        with naming(incoming):
+            incoming.mkdir(parents=True)
+        for name, data in files.items():
+            with naming(folder / name), (incoming / name).open("wb") as out:
+                out.write(data)
+            (incoming / name).chmod(mode)
+    except BaseException:
+        shutil.rmtree(incoming, ignore_errors=True)
+        raise
+    with naming(folder):
+        if folder.exists():
+            os.rename(folder, outgoing)
+        os.rename(incoming, folder)
+        shutil.rmtree(outgoing, ignore_errors=True)
 
 
 def place(source: Path, destination: Path, mode: int = 0o644) -> None:
@@ -52,7 +113,8 @@ def place(source: Path, destination: Path, mode: int = 0o644) -> None:
     os.close(handle)
     partial = Path(partial_name)
     try:
-        shutil.copyfile(source, partial)
+        with naming(destination):
+            shutil.copyfile(source, partial)
         partial.chmod(mode)
         os.replace(partial, destination)
     finally:

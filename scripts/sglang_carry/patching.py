@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import CarryError
-from .files import write_atomically
+from .files import recover_folder, replace_folder
 from .git import Git, summarize_git_output
 from .progress import Stopwatch
 from .project import Project, Target
@@ -235,6 +235,9 @@ def export(project: Project, target: Target, force: bool = False, runner: Runner
     require_branch(git, target)
     require_clean(git, target, "carry export")
     require_descends(git, target, "carry export")
+    # An export killed while it replaced the folder left it beside it; that export is dead (the
+    # CLI holds the checkout's lock), so its old folder comes back before it is read.
+    recover_folder(project.patches_dir / target.name / target.version)
     folder = read_series_folder(project.patches_dir, target.name, target.version)
     project.scratch_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=project.scratch_dir, prefix="export-") as tmp:
@@ -308,20 +311,17 @@ def _refuse_losing_work(
 def _write_series(
     folder: SeriesFolder, names: list[str], exported: dict[str, bytes], revision_text: str
 ) -> bool:
-    """Write only what changed, and delete only patches the previous series listed (export wrote
-    them). The revision, which hashes the rest, is written after it."""
-    folder.directory.mkdir(parents=True, exist_ok=True)
-    wanted = [(name, exported[name]) for name in names]
-    wanted.append((SERIES_FILE, render_series_file(names).encode()))
-    wanted.append((REVISION_FILE, revision_text.encode()))
-    changed = False
-    for name, data in wanted:
-        path = folder.directory / name
-        if not path.is_file() or path.read_bytes() != data:
-            write_atomically(path, data)
-            changed = True
-    for name in folder.listed:
-        if name not in names and (folder.directory / name).is_file():
-            (folder.directory / name).unlink()
-            changed = True
-    return changed
+    """Make the folder hold the exported patches, their series and revision, and whatever else it
+    held that the previous series did not list (REBASE.md, strays), written as one unit: a fault
+    part-way (a full disk) leaves it as it was. Returns whether anything changed."""
+    wanted = {name: exported[name] for name in names}
+    wanted[SERIES_FILE] = render_series_file(names).encode()
+    wanted[REVISION_FILE] = revision_text.encode()
+    on_disk = folder.directory.iterdir() if folder.exists else iter(())
+    present = {path.name: path.read_bytes() for path in on_disk if path.is_file()}
+    kept = {name: data for name, data in present.items() if name not in wanted and name not in folder.listed}
+    files = kept | wanted
+    if files == present:
+        return False
+    replace_folder(folder.directory, files)
+    return True

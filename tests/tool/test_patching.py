@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import errno
 import shutil
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sglang_carry.errors import CarryError
+from sglang_carry.files import INCOMING_SUFFIX, OUTGOING_SUFFIX
 from sglang_carry.git import Git
 from sglang_carry.patching import apply, export
 from sglang_carry.runner import Completed, run_subprocess
@@ -344,3 +347,54 @@ def test_operation_in_progress_is_read_from_git(demo: DemoProject, start: list[s
     assert git(demo.checkout, *start, check=False).returncode != 0  # both changed the same line
     operation = Git(demo.checkout).operation_in_progress()
     assert operation is not None and operation.name == name
+
+
+def test_a_full_disk_during_export_leaves_the_series_as_it_was(
+    demo: DemoProject, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk fills after the first new file: the folder keeps its old series, revision and
+    REBASE.md, nothing half-written is left beside it, the one error line names the file, and
+    once there is space the same export goes through."""
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    (demo.series_dir / "REBASE.md").write_text("how this line was made\n")
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
+    before = demo.snapshot(demo.series_dir)
+    written: list[str] = []
+    real_open = Path.open
+
+    def open_until_the_disk_is_full(path: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if path.parent.name.endswith(INCOMING_SUFFIX) and "w" in mode:
+            written.append(path.name)
+            if len(written) > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_until_the_disk_is_full)
+    assert demo.carry("export", "demo") == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"carry export: error: {demo.series_dir / written[1]}: No space left on device: free some disk space"
+    )
+    assert demo.snapshot(demo.series_dir) == before
+    assert [p.name for p in demo.series_dir.parent.iterdir()] == ["1.0"]
+    monkeypatch.undo()
+    assert export(demo.project, demo.target()) == 0
+    assert load_series(demo.root / "patches", "demo", "1.0").revision == 2
+    assert (demo.series_dir / "REBASE.md").read_text() == "how this line was made\n"
+
+
+def test_an_export_killed_while_it_swapped_folders_is_undone_by_the_next(demo: DemoProject) -> None:
+    """Killed between setting the old folder aside and moving the new one in: the next export
+    (holding the checkout's lock, so the killed one is dead) puts the old one back first."""
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
+    export(demo.project, demo.target())
+    (demo.series_dir / "REBASE.md").write_text("how this line was made\n")
+    before = demo.snapshot(demo.series_dir)
+    demo.series_dir.rename(demo.series_dir.with_name(".1.0" + OUTGOING_SUFFIX))
+    (demo.series_dir.with_name(".1.0" + INCOMING_SUFFIX)).mkdir()
+    assert export(demo.project, demo.target()) == 0
+    assert demo.snapshot(demo.series_dir) == before  # revision 2 and REBASE.md, as they were
+    assert [p.name for p in demo.series_dir.parent.iterdir()] == ["1.0"]
