@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -178,6 +179,11 @@ def _checkout_lock(project: Project, args: argparse.Namespace) -> AbstractContex
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A terminal or pipe that cannot show a character (PYTHONIOENCODING=latin-1) gets an escape,
+    # not a UnicodeEncodeError in the middle of the output.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         project = Project(args.root.resolve()) if args.root else Project.find(Path.cwd())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,16 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from .errors import CarryError
+from .pin_schema import (
+    FILE_FIELDS,
+    RELEASE_FIELDS,
+    TOP_LEVEL_FIELDS,
+    Place,
+    check_fields,
+    read_text,
+    string,
+    tables,
+)
 
 
 @dataclass(frozen=True)
@@ -85,66 +96,65 @@ def select_file(release: Release) -> PinnedFile:
     )
 
 
-def _require(table: dict[str, object], key: str, where: str) -> str:
-    value = table.get(key)
-    if not isinstance(value, str) or not value:
-        raise CarryError(f"{where}: missing string field '{key}'")
-    return value
-
-
 CI_SCHEDULES = ("every", "nightly")
 
 
-def _optional(table: dict[str, object], key: str, where: str, allowed: tuple[str, ...] = ()) -> str | None:
-    value = table.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value or (allowed and value not in allowed):
-        wanted = " or ".join(f"'{a}'" for a in allowed) if allowed else "a non-empty string"
-        raise CarryError(f"{where}: '{key}' must be {wanted}")
-    return value
-
-
 def load_upstream(path: Path) -> Upstream:
+    """Read a pin file, checked against its schema (pin_schema.py): the first problem is one line."""
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise CarryError(f"{path}: cannot read pin file ({exc})") from exc
-    name = _require(data, "name", str(path))
-    subdir = data.get("source_subdir", "")
-    if not isinstance(subdir, str):
-        raise CarryError(f"{path}: 'source_subdir' must be a string")
-    releases = []
-    raw_releases = data.get("release", [])
-    if not isinstance(raw_releases, list) or not raw_releases:
-        raise CarryError(f"{path}: no [[release]] pinned")
-    for raw in raw_releases:
-        where = f"{path} release {raw.get('version', '?')}"
-        version = _require(raw, "version", where)
-        try:
-            Version(version)
-        except InvalidVersion as exc:
-            raise CarryError(f"{where}: '{version}' is not a PEP 440 version") from exc
-        files = []
-        for raw_file in raw.get("files", []):
-            sha256 = _require(raw_file, "sha256", where).lower()
-            if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-                raise CarryError(f"{where}: sha256 '{sha256}' is not 64 hex digits")
-            url = raw_file.get("url")
-            files.append(PinnedFile(_require(raw_file, "filename", where), sha256, url))
-        if not files:
-            raise CarryError(f"{where}: no files pinned")
-        releases.append(
-            Release(
-                name,
-                version,
-                _require(raw, "git_tag", where),
-                tuple(files),
-                test_env=_optional(raw, "test_env", where),
-                ci=_optional(raw, "ci", where, CI_SCHEDULES),
-            )
+        data = tomllib.loads(read_text(path))
+    except tomllib.TOMLDecodeError as exc:
+        raise Place(path).error(f"is not valid TOML ({exc})") from exc
+    top = Place(path)
+    check_fields(data, TOP_LEVEL_FIELDS, top)
+    name = string(data, "name", top)
+    assert name is not None
+    if name != path.stem:
+        raise top.error(
+            f"says name = '{name}', but a pin file is named after its package: rename the file to "
+            f"{name}.toml, or set name = '{path.stem}'"
         )
+    subdir = string(data, "source_subdir", top, required=False, allow_empty=True) or ""
+    raw_releases = tables(data, "release", top, "release")
+    if not raw_releases:
+        raise top.error("no [[release]] pinned")
+    releases: list[Release] = []
+    for index, raw in enumerate(raw_releases, 1):
+        releases.append(_load_release(name, raw, top.inside(f"[[release]] {index}")))
+    versions = [release.version for release in releases]
+    twice = next((v for v in versions if versions.count(v) > 1), None)
+    if twice is not None:
+        raise top.error(f'pins {name} {twice} twice: keep one [[release]] with version = "{twice}"')
     return Upstream(name, subdir.strip("/"), tuple(releases))
+
+
+def _load_release(name: str, raw: Mapping[str, object], place: Place) -> Release:
+    check_fields(raw, RELEASE_FIELDS, place)
+    version = string(raw, "version", place)
+    assert version is not None
+    place = place.inside(f"version {version}")
+    try:
+        Version(version)
+    except InvalidVersion as exc:
+        raise place.error(f"'{version}' is not a PEP 440 version") from exc
+    files = []
+    for index, raw_file in enumerate(tables(raw, "files", place, "release.files"), 1):
+        where = place.inside(f"[[release.files]] {index}")
+        check_fields(raw_file, FILE_FIELDS, where)
+        filename, sha256 = string(raw_file, "filename", where), string(raw_file, "sha256", where)
+        assert filename is not None and sha256 is not None
+        sha256 = sha256.lower()
+        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+            raise where.error(f"sha256 '{sha256}' is not 64 hex digits")
+        files.append(PinnedFile(filename, sha256, string(raw_file, "url", where, required=False)))
+    if not files:
+        raise place.error("no files pinned: add a [[release.files]] with filename and sha256")
+    git_tag = string(raw, "git_tag", place)
+    assert git_tag is not None
+    ci = string(raw, "ci", place, required=False)
+    if ci is not None and ci not in CI_SCHEDULES:
+        raise place.error("'ci' must be 'every' or 'nightly'")
+    return Release(name, version, git_tag, tuple(files), string(raw, "test_env", place, required=False), ci)
 
 
 def load_all(upstream_dir: Path) -> dict[str, Upstream]:

@@ -193,12 +193,28 @@ def parse_trailers(
     return trailers
 
 
+def read_utf8(path: Path) -> str:
+    """A text file the series is made of; not UTF-8 is one line, never a traceback."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CarryError(
+            f"{path} is not UTF-8 (byte {exc.start}): save it as UTF-8, or `git checkout -- {path}`"
+        ) from exc
+
+
 def read_series_names(series_path: Path) -> list[str]:
     names = []
-    for raw in series_path.read_text(encoding="utf-8").splitlines():
+    for raw in read_utf8(series_path).splitlines():
         line = raw.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
+        if not line:
+            continue
+        if "/" in line or "\\" in line or line in (".", ".."):
+            raise CarryError(
+                f"{series_path} lists '{line}', which is not a file in its folder: a series lists "
+                "patch files by name only"
+            )
+        names.append(line)
     return names
 
 
@@ -207,7 +223,7 @@ def read_carries_nothing(directory: Path, label: str) -> str | None:
     path = directory / CARRIES_NOTHING_FILE
     if not path.exists():
         return None
-    reason = " ".join(path.read_text(encoding="utf-8").split())
+    reason = " ".join(read_utf8(path).split())
     if not reason:
         raise CarryError(
             f"{label}/{CARRIES_NOTHING_FILE} is empty: write in it why this line carries nothing"

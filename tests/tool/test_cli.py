@@ -14,6 +14,7 @@ from sglang_carry.patching import export
 from .conftest import DemoProject, git, patch_message
 
 CORE = "python/demo/core.py"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def test_unknown_version_is_one_line_and_non_zero(
@@ -122,3 +123,36 @@ def test_unexpected_os_error_is_one_line_with_the_path(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith(f"carry export: error: {demo.root / 'patches' / 'demo'}")
+
+
+def test_a_series_entry_outside_its_folder_is_refused(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carried(demo)
+    series = demo.series_dir / "series"
+    series.write_text(series.read_text() + "../../elsewhere.patch\n")
+    assert demo.carry("status", "demo") == 1
+    assert "lists '../../elsewhere.patch', which is not a file in its folder" in capsys.readouterr().out
+
+
+def test_a_series_file_that_is_not_utf8(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
+    carried(demo)
+    series = demo.series_dir / "series"
+    series.write_bytes(series.read_bytes() + b"\xff\n")
+    assert demo.carry("status", "demo") == 1
+    assert f"{series} is not UTF-8 (byte" in capsys.readouterr().out
+
+
+def test_an_output_that_cannot_show_a_character_gets_an_escape(demo: DemoProject) -> None:
+    """PYTHONIOENCODING=latin-1: status's ellipsis after a short hash comes out escaped, and the
+    command neither stops nor prints a traceback."""
+    carried(demo)
+    run = subprocess.run(
+        [sys.executable, "-m", "sglang_carry", "--root", str(demo.root), "status", "demo"],
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": "latin-1", "PYTHONPATH": str(SCRIPTS)},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr.decode("latin-1")
+    assert b"Traceback" not in run.stderr
+    assert b"\\u2026 fetched, sha256 ok" in run.stdout
