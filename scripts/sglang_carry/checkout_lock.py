@@ -78,3 +78,17 @@ def hold(
             handle.truncate()
             handle.flush()
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def working(project: Project) -> Holder | None:
+    """Who holds the checkout's lock right now, without waiting for it (None: nobody)."""
+    path = lock_path(project)
+    if not path.exists():
+        return None
+    with path.open("r", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return read_holder(path)
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    return None

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from . import __version__
+from . import __version__, leftovers
 from .checkout_lock import Holder, hold
 from .errors import CarryError
 from .fetch import fetch
@@ -188,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         project = Project(args.root.resolve()) if args.root else Project.find(Path.cwd())
         with _checkout_lock(project, args):
+            if args.command not in READ_ONLY_COMMANDS:
+                for leftover in leftovers.remove(project):
+                    print(
+                        f"carry {args.command}: removed {leftover.describe(project.root)}, left by a "
+                        "carry command killed part-way",
+                        file=sys.stderr,
+                    )
             if args.command == "rebase":
                 code = _rebase(project, args)
             else:

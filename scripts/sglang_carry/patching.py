@@ -124,6 +124,8 @@ def require_line_ready(project: Project, target: Target, series: Series, runner:
     series.require_something_to_carry()
     series.require_current_revision()
     git = open_checkout(project, target, runner, command)
+    # What is built and tested is the branch: an uncommitted edit would be left out without a word.
+    require_clean(git, target, command)
     state = branch_state(git, target, series, project.scratch_dir)
     if state == MISSING:
         require_branch(git, target)
@@ -144,14 +146,15 @@ def apply(project: Project, target: Target, runner: Runner = run_subprocess) -> 
     watch = Stopwatch()
     git = open_checkout(project, target, runner, "carry apply")
     series = project.series(target.release, runner)
+    # Even when the branch already carries the series: an uncommitted edit is in no patch, and
+    # saying "already carries" would let it go unnoticed.
+    require_clean(git, target, "carry apply")
     old_tip = git.rev(target.branch)
     if old_tip and branch_state(git, target, series, project.scratch_dir) == MATCHES:
         if git.current_branch() != target.branch:
-            require_clean(git, target, "carry apply")
             git.run("checkout", "--quiet", target.branch)
         print(f"apply: {target.label}: {target.branch} already carries {series.label}")
         return 0
-    require_clean(git, target, "carry apply")
     if old_tip and old_tip != git.rev(target.upstream_tag):
         backup = f"carry-backup/{target.version}/{old_tip[:12]}"
         git.run("branch", "--force", backup, old_tip)

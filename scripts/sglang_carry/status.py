@@ -6,12 +6,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import leftovers
+from .checkout_lock import working
 from .errors import CarryError
 from .fetch import sha256_of
 from .git import Git
 from .patching import DIFFERS, MATCHES, MISSING, NOT_DESCENDING, branch_state
 from .pins import select_file
 from .project import Project, Target
+from .rebase import STATE_FILE as REBASE_STATE_FILE
 from .runner import Runner, run_subprocess
 from .series import Series
 
@@ -143,6 +146,48 @@ def _describe_checkout(
     line.lines.append(f"  checkout  upstream/{target.name} on {head}, {state}; {target.branch} {shown}")
 
 
+@dataclass
+class CheckoutStatus:
+    """The checkout's own state, beside its lines': the same three views as LineStatus."""
+
+    record: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def describe_checkout(project: Project, runner: Runner) -> CheckoutStatus:
+    """What concerns the whole checkout: a command at work in it, an interrupted rebase, and the
+    leftovers of a command killed part-way (which the next writing command removes)."""
+    found = CheckoutStatus()
+    holder = working(project)
+    found.record["working"] = None if holder is None else {"pid": holder.pid, "command": holder.command}
+    found.record["rebases"] = []
+    found.record["leftovers"] = []
+    if holder is not None:
+        found.lines.append(
+            f"checkout  {holder.describe()} is working in this checkout: its files are in progress"
+        )
+        return found
+    for name in sorted(project.pins()):
+        git = Git(project.checkout(name), runner)
+        state = git.state_file(REBASE_STATE_FILE) if git.exists() else None
+        if state is not None and state.exists():
+            found.record["rebases"].append(str(state))
+            found.lines.append(
+                f"rebase    a `carry rebase` of {name} stopped part-way (its state: {state}; the pin "
+                "file may be changed): `carry rebase --continue` goes on, `carry rebase --abort` undoes it"
+            )
+            found.problems.append(f"a rebase of {name} is in progress")
+    for leftover in leftovers.find(project):
+        found.record["leftovers"].append(str(leftover.path))
+        found.lines.append(
+            f"leftover  {leftover.describe(project.root)}, from a carry command killed part-way: "
+            "the next carry command that writes removes it"
+        )
+        found.problems.append(f"{leftover.path} is a leftover")
+    return found
+
+
 def status(
     project: Project, targets: list[Target], as_json: bool = False, runner: Runner = run_subprocess
 ) -> int:
@@ -154,8 +199,13 @@ def status(
         records.append(line.record)
         if not as_json:
             print("\n".join(line.lines), flush=True)
+    checkout = describe_checkout(project, runner)
+    problems += len(checkout.problems)
+    if not as_json and checkout.lines:
+        print("\n".join(checkout.lines), flush=True)
     if as_json:
-        print(json.dumps({"ok": problems == 0, "lines": records}, indent=2, ensure_ascii=False))
+        report = {"ok": problems == 0, "lines": records, "checkout": checkout.record}
+        print(json.dumps(report, indent=2, ensure_ascii=False))
     elif problems:
         print(f"status: {problems} problem(s) to fix before `carry build`; exit 1")
     return 1 if problems else 0

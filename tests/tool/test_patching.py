@@ -56,11 +56,23 @@ def test_apply_is_a_no_op_when_the_branch_carries_the_series(
     carry_two_patches(demo)
     export(demo.project, demo.target())
     tip = git(demo.checkout, "rev-parse", "HEAD").stdout
-    (demo.checkout / "python" / "demo" / "scratch.txt").write_text("work in progress")
     assert apply(demo.project, demo.target()) == 0
     assert "already carries" in capsys.readouterr().out
     assert git(demo.checkout, "rev-parse", "HEAD").stdout == tip
-    assert (demo.checkout / "python" / "demo" / "scratch.txt").exists()
+
+
+def test_apply_refuses_uncommitted_work_even_when_the_branch_carries_the_series(demo: DemoProject) -> None:
+    """It said "already carries", and the edit, in no patch, went unnoticed."""
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    tip = git(demo.checkout, "rev-parse", "HEAD").stdout
+    (demo.checkout / "python" / "demo" / "scratch.txt").write_text("work in progress")
+    with pytest.raises(
+        CarryError, match=r"upstream/demo has uncommitted changes \(python/demo/scratch.txt\)"
+    ):
+        apply(demo.project, demo.target())
+    assert git(demo.checkout, "rev-parse", "HEAD").stdout == tip
+    assert (demo.checkout / "python" / "demo" / "scratch.txt").read_text() == "work in progress"
 
 
 def test_revision_grows_only_when_the_series_changes(demo: DemoProject) -> None:

@@ -175,6 +175,15 @@ def test_a_revision_changed_by_hand_is_refused_by_its_recorded_number(demo: Demo
         build(demo.project, demo.target())
 
 
+def test_build_refuses_uncommitted_edits_it_would_leave_out(demo: DemoProject) -> None:
+    """The wheel is built from the branch: an edit not committed there would be missing from it."""
+    carry_fix(demo)
+    (demo.checkout / CORE).write_text("def answer():\n    return 44\n")
+    with pytest.raises(CarryError, match=r"upstream/demo has uncommitted changes \(python/demo/core.py\)"):
+        build(demo.project, demo.target())
+    assert not list((demo.root / "dist").glob("*.whl"))
+
+
 def test_record_check_catches_tampering(demo: DemoProject, tmp_path: Path) -> None:
     carry_fix(demo)
     path = build(demo.project, demo.target())
