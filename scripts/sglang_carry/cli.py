@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
-        project = Project(args.root.resolve()) if args.root else Project.find(Path.cwd())
+        project = Project.find(args.root.resolve() if args.root else Path.cwd())
         with _checkout_lock(project, args):
             if args.command not in READ_ONLY_COMMANDS:
                 for leftover in leftovers.remove(project):

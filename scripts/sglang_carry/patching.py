@@ -3,6 +3,7 @@ git format-patch doing the work, and the checks that keep either side from losin
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -99,6 +100,16 @@ def require_descends(git: Git, target: Target, command: str) -> None:
     )
 
 
+def _writable(scratch: Path) -> Path | None:
+    """build/, where the tool keeps its scratch files; None (the system's temporary folder) when
+    it cannot be written, so that status, which only reads, still runs in a read-only checkout."""
+    try:
+        scratch.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return scratch if os.access(scratch, os.W_OK) else None
+
+
 def branch_state(git: Git, target: Target, series: Series, scratch: Path) -> str:
     """MISSING, NOT_DESCENDING, MATCHES (exporting it now reproduces the series byte for byte) or
     DIFFERS."""
@@ -106,8 +117,7 @@ def branch_state(git: Git, target: Target, series: Series, scratch: Path) -> str
         return MISSING
     if not git.is_ancestor(target.upstream_tag, target.branch):
         return NOT_DESCENDING
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch, prefix="compare-") as tmp:
+    with tempfile.TemporaryDirectory(dir=_writable(scratch), prefix="compare-") as tmp:
         names = export_branch(git, target, Path(tmp))
         if names != [entry.filename for entry in series.entries]:
             return DIFFERS

@@ -21,7 +21,10 @@ class Project:
         for candidate in (start, *start.parents):
             if (candidate / "upstream").is_dir() and (candidate / "patches").is_dir():
                 return cls(candidate)
-        raise CarryError(f"{start} is not inside a sglang-carry checkout (no upstream/ and patches/)")
+        raise CarryError(
+            f"{start} is not inside a sglang-carry checkout (no upstream/ and patches/): run carry "
+            "from the checkout, or name its folder with --root"
+        )
 
     @property
     def upstream_dir(self) -> Path:

@@ -390,6 +390,8 @@ def verify(
     """``python`` overrides each line's own test environment (see testenv.py)."""
     rows: list[tuple[str, Verdict]] = []
     for target in targets:
+        # A line with nothing to verify says so before its test environment is asked for.
+        project.series(target.release, runner).require_something_to_carry()
         interpreter = python or test_python(project, target.release)
         rows.extend(
             (target.label, verdict) for verdict in verify_target(project, target, interpreter, runner)

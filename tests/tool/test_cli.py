@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,22 @@ def test_an_output_that_cannot_show_a_character_gets_an_escape(demo: DemoProject
     assert run.returncode == 0, run.stderr.decode("latin-1")
     assert b"Traceback" not in run.stderr
     assert b"\\u2026 fetched, sha256 ok" in run.stdout
+
+
+def test_a_root_that_is_not_a_checkout(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """It said "no pins in .../upstream"."""
+    assert main(["--root", str(tmp_path / "nonexistent"), "status"]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "nonexistent is not inside a sglang-carry checkout (no upstream/ and patches/)" in line
+    assert "name its folder with --root" in line
+
+
+def test_status_runs_where_build_cannot_be_written(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status only reads: a build/ it cannot write (here a file in its place) does not stop it."""
+    carried(demo)
+    shutil.rmtree(demo.root / "build", ignore_errors=True)
+    (demo.root / "build").write_text("not a folder\n")
+    assert demo.carry("status", "demo") == 0
+    assert "carry/1.0 matches patches/" in capsys.readouterr().out

@@ -90,7 +90,16 @@ def test_verify_without_python_refuses_a_line_whose_environment_is_not_built(
 ) -> None:
     with_envs(demo)
     demo.fetch()
+    series_for(demo, "1.0")
     with pytest.raises(CarryError, match=r"\(old-torch, \.venv-test\) is not built"):
+        verify(demo.project, [demo.target()], None, demo.pip)
+
+
+def test_verify_says_a_line_has_no_series_before_asking_for_its_environment(demo: DemoProject) -> None:
+    """It first demanded a test environment of several GB, for a line with nothing to verify."""
+    with_envs(demo)
+    demo.fetch()
+    with pytest.raises(CarryError, match=r"demo 1.0 has no series in patches/demo/1.0"):
         verify(demo.project, [demo.target()], None, demo.pip)
 
 
