@@ -61,11 +61,14 @@ def _describe_download(project: Project, target: Target, line: LineStatus) -> No
         return
     cached = project.downloads_dir / pinned.filename
     if not cached.exists():
-        download, shown = "missing", "not fetched"
+        download, shown = "missing", f"not fetched ({_fetch_hint(target)} fetches it)"
     elif sha256_of(cached) == pinned.sha256:
         download, shown = "ok", "fetched, sha256 ok"
     else:
-        download, shown = "wrong-sha256", "fetched with the WRONG sha256 (`carry fetch` downloads it again)"
+        download, shown = (
+            "wrong-sha256",
+            f"fetched with the WRONG sha256 ({_fetch_hint(target)} downloads it again)",
+        )
         line.problems.append(f"{pinned.filename} in {project.downloads_dir.name}/ does not match its pin")
     line.record["pin"] = {"file": pinned.filename, "sha256": pinned.sha256, "download": download}
     line.lines.append(f"  pin       {pinned.filename} sha256 {pinned.sha256[:16]}… {shown}")
@@ -113,13 +116,18 @@ def _describe_series(project: Project, target: Target, runner: Runner, line: Lin
     return series
 
 
+def _fetch_hint(target: Target) -> str:
+    """The fetch that reaches this very line: plain `carry fetch` takes each package's newest."""
+    return f"`carry fetch {target.name} --upstream {target.version}`"
+
+
 def _describe_checkout(
     project: Project, target: Target, series: Series, runner: Runner, line: LineStatus
 ) -> None:
     git = Git(project.checkout(target.name), runner)
     if not git.exists() or git.rev(target.upstream_tag) is None:
         line.record["checkout"] = {"state": "missing"}
-        line.lines.append("  checkout  missing (run `carry fetch`)")
+        line.lines.append(f"  checkout  missing (run {_fetch_hint(target)})")
         return
     head = git.current_branch() or "detached HEAD"
     dirty = len(git.dirty_paths())

@@ -30,7 +30,9 @@ def test_unknown_version_is_one_line_and_non_zero(
 def test_status_before_fetch(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--root", str(demo.root), "status"]) == 0  # steps not taken yet are not problems
     out = capsys.readouterr().out
-    assert "demo 1.0" in out and "not fetched" in out and "checkout  missing (run `carry fetch`)" in out
+    assert "demo 1.0" in out and "not fetched (`carry fetch demo --upstream 1.0` fetches it)" in out
+    # The fetch that reaches this line: plain `carry fetch` takes each package's newest line only.
+    assert "checkout  missing (run `carry fetch demo --upstream 1.0`)" in out
 
 
 def test_build_before_fetch_says_what_to_do(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
