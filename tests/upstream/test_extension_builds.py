@@ -62,8 +62,9 @@ def test_a_builder_killed_holding_the_baton_does_not_hang_the_next_load(tmp_path
         env=env,
     )
     assert loaded.returncode == 0, loaded.stderr[-2000:]
+    # (From torch 2.14 on the `lock` file is an flock's and may stay; what matters is that the
+    # load finished.)
     assert "answer 42" in loaded.stdout
-    assert not (build / "lock").exists()
 
 
 def test_the_folder_is_per_tree_and_torch_inside_the_users(tmp_path: Path) -> None:
