@@ -217,6 +217,15 @@ def _am(git: Git, target: Target, series: Series) -> None:
     entry = series.entries[min(applied, len(series.entries) - 1)]
     files = git.unmerged_paths() or git.current_patch_paths()
     where = ", ".join(files) if files else "see `git am --show-current-patch=diff`"
+    corrupt = next((line.strip() for line in result.output.splitlines() if "corrupt patch" in line), None)
+    if corrupt is not None:
+        # Not a conflict to resolve: the file itself is broken (truncated, hand-edited).
+        git.run("am", "--abort", check=False)
+        raise CarryError(
+            f"{series.label}/{entry.filename} is broken (git: {corrupt}): restore it with "
+            f"`git checkout -- {series.label}/{entry.filename}`, or write it again with `carry export` "
+            "(the `git am` was aborted; a previous branch is kept as carry-backup/...)"
+        )
     raise CarryError(
         f"{series.label}/{entry.filename} does not apply to {target.label} ({where}): resolve it in "
         f"upstream/{target.name} and run `git am --continue`, then `carry export`; or `git am --abort` "

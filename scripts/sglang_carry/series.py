@@ -280,6 +280,11 @@ def load_series(patches_dir: Path, name: str, version: str, runner: Runner = run
 
 def _check_entry(label: str, entry: Entry) -> None:
     where = f"{label}/{entry.filename}"
+    if not entry.subject.strip():
+        raise CarryError(
+            f"{where} is not a patch in git's mail format (it has no Subject: line): restore it with "
+            f"`git checkout -- {where}`, or write it again with `carry export`"
+        )
     if entry.status not in STATUSES:
         raise CarryError(
             f"{where}: Upstream-Status trailer is '{entry.status_line}', "

@@ -410,3 +410,28 @@ def test_an_export_killed_while_it_swapped_folders_is_undone_by_the_next(demo: D
     assert export(demo.project, demo.target()) == 0
     assert demo.snapshot(demo.series_dir) == before  # revision 2 and REBASE.md, as they were
     assert [p.name for p in demo.series_dir.parent.iterdir()] == ["1.0"]
+
+
+def test_a_truncated_patch_says_what_git_says(demo: DemoProject) -> None:
+    """It said "does not apply", with git's "corrupt patch at line N" hidden, and advised
+    resolving a conflict that does not exist."""
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    patch = demo.series_dir / "0001-Fix-the-answer.patch"
+    text = patch.read_text()
+    patch.write_text(text[: text.index("+    return 42")] + "+    return 4")  # cut inside the hunk
+    with pytest.raises(CarryError) as refused:
+        apply(demo.project, demo.target())
+    message = str(refused.value)
+    assert "0001-Fix-the-answer.patch is broken (git: error: corrupt patch at line" in message
+    assert "git checkout -- patches/demo/1.0/0001-Fix-the-answer.patch" in message
+    assert Git(demo.checkout).operation_in_progress() is None  # nothing left half-done
+
+
+def test_a_file_that_is_not_a_patch_at_all(demo: DemoProject) -> None:
+    """It said "Upstream-Status trailer is ''"."""
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    (demo.series_dir / "0001-Fix-the-answer.patch").write_text("garbage\n\x00\x01 not a mail\n")
+    with pytest.raises(CarryError, match=r"0001-Fix-the-answer.patch is not a patch in git's mail format"):
+        apply(demo.project, demo.target())
