@@ -46,8 +46,18 @@ class IndexFile:
     yanked: bool
 
 
+INDEX_SCHEMES = ("https", "http", "file")
+
+
 def index_url(option: str | None) -> str:
-    return (option or os.environ.get(INDEX_ENV) or DEFAULT_INDEX).rstrip("/")
+    url = (option or os.environ.get(INDEX_ENV) or DEFAULT_INDEX).rstrip("/")
+    if urllib.parse.urlparse(url).scheme not in INDEX_SCHEMES:
+        source = "--index-url" if option else f"${INDEX_ENV}"
+        raise CarryError(
+            f"{source} '{url}' is not an index URL: give an https:// (or http://) simple index, or "
+            "file:///a/folder holding <name>/index.json"
+        )
+    return url
 
 
 def fetch_url(url: str) -> bytes:
@@ -55,8 +65,19 @@ def fetch_url(url: str) -> bytes:
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme == "file":
         path = Path(urllib.request.url2pathname(parsed.path))
-        if path.is_dir():
+        root = path.parent  # the index: a folder with <name>/index.json
+        if not root.is_dir():
+            raise CarryError(
+                f"the index folder {root} does not exist: check --index-url (a file:// index is a "
+                f"folder holding <name>/{INDEX_FILE})"
+            )
+        if not path.is_file():
             path = path / INDEX_FILE
+        if not path.exists():
+            raise CarryError(
+                f"the index {root} has no {path.relative_to(root)}: add it (the package's PEP 691 "
+                "page), or check --index-url"
+            )
         try:
             return path.read_bytes()
         except OSError as exc:

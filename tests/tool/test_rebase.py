@@ -18,7 +18,14 @@ from sglang_carry.patching import export
 from sglang_carry.pins import PinnedFile, Release, load_upstream
 from sglang_carry.rebase import Request, rebase, rebase_abort, rebase_continue
 from sglang_carry.rebase_report import drop_when_matches
-from sglang_carry.registry import IndexFile, fetch_url, index_files, release_from_index, render_release
+from sglang_carry.registry import (
+    IndexFile,
+    fetch_url,
+    index_files,
+    index_url,
+    release_from_index,
+    render_release,
+)
 from sglang_carry.runner import Completed
 from sglang_carry.series import Entry, load_series
 
@@ -455,6 +462,22 @@ def test_file_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     found = index_files("Demo", (tmp_path / "index").as_uri(), fetch_url)
     assert [(f.filename, f.sha256) for f in found] == [("demo-1.2.tar.gz", "ab" * 32)]
     assert os.path.basename(found[0].url) == "demo-1.2.tar.gz"
+
+
+def test_a_file_index_that_is_missing_or_lacks_the_package(tmp_path: Path) -> None:
+    """It named the package's index.json under a folder that did not exist, with no remedy."""
+    with pytest.raises(CarryError, match=r"the index folder .*/nowhere does not exist: check --index-url"):
+        index_files("demo", (tmp_path / "nowhere").as_uri(), fetch_url)
+    (tmp_path / "index").mkdir()
+    with pytest.raises(CarryError, match=r"the index .*/index has no demo/index.json: add it"):
+        index_files("demo", (tmp_path / "index").as_uri(), fetch_url)
+
+
+def test_an_index_url_that_is_not_a_url() -> None:
+    """It said "not a PEP 691 JSON index page"."""
+    with pytest.raises(CarryError, match=r"--index-url 'not a url' is not an index URL: give an https://"):
+        index_url("not a url")
+    assert index_url("file:///srv/index/") == "file:///srv/index"
 
 
 def test_failure_after_the_pin_undoes_everything(demo: DemoProject) -> None:
