@@ -106,7 +106,22 @@ def main(argv: list[str]) -> int:
         print(f"test-env: error: unknown environment {', '.join(unknown)} (known: {known})", file=sys.stderr)
         return 2
     for name in names:
-        build(envs[name])
+        try:
+            build(envs[name])
+        except KeyboardInterrupt:
+            # The stamp is written last: an unfinished environment is rebuilt on the next run.
+            print(
+                f"test-env: interrupted while building {envs[name].venv.name}; the next run builds it again",
+                file=sys.stderr,
+            )
+            return 130
+        except subprocess.CalledProcessError as exc:
+            print(
+                f"test-env: error: building {envs[name].venv.name} ({name}) failed: pip exited "
+                f"{exc.returncode} (its output is above); fix that, then run this again",
+                file=sys.stderr,
+            )
+            return 1
     return 0
 
 

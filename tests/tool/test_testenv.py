@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -191,3 +192,46 @@ def test_a_hanging_test_is_failed_by_the_bound(tmp_path: Path) -> None:
     )
     assert run.returncode == 1
     assert "Timeout" in run.stdout
+
+
+def _test_env_script() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "test_env.py"
+    spec = importlib.util.spec_from_file_location("carry_test_env_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("failure", "code", "said"),
+    [
+        (KeyboardInterrupt(), 130, "interrupted while building .venv-test; the next run builds it again"),
+        (
+            subprocess.CalledProcessError(1, ["python", "-m", "pip"]),
+            1,
+            "failed: pip exited 1 (its output is above)",
+        ),
+    ],
+    ids=["ctrl-c", "pip-fails"],
+)
+def test_building_an_environment_ends_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failure: BaseException,
+    code: int,
+    said: str,
+) -> None:
+    """Ctrl-C while .venv-test is made exited 1 with pip's text and a traceback."""
+    script = _test_env_script()
+
+    def build(env: Any) -> None:
+        raise failure
+
+    monkeypatch.setattr(script, "build", build)
+    assert script.main(["torch2.13"]) == code
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert said in line
