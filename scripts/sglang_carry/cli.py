@@ -19,6 +19,7 @@ from .patching import apply, export
 from .project import Project, Target, select_targets
 from .rebase import Request, rebase, rebase_abort, rebase_continue
 from .registry import INDEX_ENV
+from .simple_index import write_index
 from .status import status
 from .verify import verify
 from .wheel import build_all
@@ -109,7 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
                 help="interpreter with the test environment (default: the line's own, see ci/test-envs.toml)",
             )
     _add_rebase_parser(commands)
+    summary = "write a PEP 503 simple index of dist/ into DIR, for pip install --extra-index-url"
+    sub = commands.add_parser("index", help=summary, description=summary)
+    sub.add_argument("folder", metavar="DIR", type=Path, help="the index folder (written as a whole)")
+    sub.add_argument("--no-wait", action="store_true", help=NO_WAIT_HELP)
     return parser
+
+
+def _index(project: Project, args: argparse.Namespace) -> int:
+    result = write_index(project.dist_dir, args.folder.resolve())
+    print(
+        f"index: {len(result.files)} file(s) of {', '.join(result.projects)} in {result.folder}; install "
+        f"with `pip install --no-deps --extra-index-url {result.folder.as_uri()} <project>==<version>`"
+    )
+    return 0
 
 
 def _add_rebase_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -197,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
             if args.command == "rebase":
                 code = _rebase(project, args)
+            elif args.command == "index":
+                code = _index(project, args)
             else:
                 every_line = args.command in EVERY_LINE_COMMANDS
                 targets = select_targets(project, args.packages, args.upstream, every_line)

@@ -91,6 +91,7 @@ def replace_folder(folder: Path, files: dict[str, bytes], mode: int = 0o644) -> 
         with naming(incoming):
             incoming.mkdir(parents=True)
         for name, data in files.items():
+            (incoming / name).parent.mkdir(parents=True, exist_ok=True)  # a name may hold folders
             with naming(folder / name), (incoming / name).open("wb") as out:
                 out.write(data)
             (incoming / name).chmod(mode)
