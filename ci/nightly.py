@@ -17,7 +17,8 @@ first patch that stops applying. Each line's CPU tests run in its own test envir
 
 Everything lands in one folder (default build/nightly/<UTC timestamp>/): summary.md and
 summary.json (line x step -> pass/fail/skipped with the reason, durations, wheel sha256), logs/
-(one log per step), wheels/ (the built wheels and sdists), gpu/, e2e/ and e2e-cpu/ results.
+(one log per step), wheels/ (the built wheels and sdists), simple/ (them as a PEP 503 index),
+gpu/, e2e/ and e2e-cpu/ results.
 Exit 0 when nothing failed (skips are not failures), 1 otherwise.
 
 Every command goes through an injectable Runner and the registry through an injectable fetcher,
@@ -48,6 +49,7 @@ from sglang_carry.fetch import sha256_of  # noqa: E402
 from sglang_carry.project import Project  # noqa: E402
 from sglang_carry.registry import Fetcher, fetch_url, index_files, index_url, newest_version  # noqa: E402
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
+from sglang_carry.simple_index import write_index  # noqa: E402
 from sglang_carry.testenv import test_envs  # noqa: E402
 
 STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e")
@@ -207,6 +209,7 @@ class Nightly:
             )
             for line in run_here:
                 self.run_line(line, carry)
+            self.write_simple_index()
         if self.options.no_canary:
             self.canary = {"status": SKIPPED, "reason": "--no-canary"}
         else:
@@ -216,6 +219,12 @@ class Nightly:
             print(f"::error title=canary::{self.canary['reason']}")  # an annotation on the run
         failed = any(r.status == FAIL for steps in self.results.values() for r in steps.values())
         return 1 if failed or self.canary.get("status") == FAIL else 0
+
+    def write_simple_index(self) -> None:
+        """Tonight's wheels as a PEP 503 index (simple/ beside wheels/, published with them), so a
+        team can `pip install --extra-index-url` the artifact."""
+        if self.wheels:
+            write_index(self.out / "wheels", self.out / "simple")
 
     def run_line(self, line: Line, carry: str) -> None:
         row, versioned = line.key, [line.name, "--upstream", line.version]
@@ -361,6 +370,11 @@ class Nightly:
             out.append(f"| {row} | " + " | ".join(cell(steps.get(step)) for step in STEPS) + " |")
         out += ["", "| artifact | sha256 |", "| --- | --- |"]
         out += [f"| {w['file']} | `{w['sha256']}` |" for w in self.wheels.values()]
+        if (self.out / "simple" / "index.html").exists():
+            out += [
+                "",
+                "The wheels as a PEP 503 index: `simple/` (`pip install --no-deps --extra-index-url file://<it>`).",
+            ]
         canary = self.canary
         out += ["", f"**Canary: {canary.get('status', '?').upper()}** — {canary.get('reason', '')}", ""]
         return "\n".join(out)
