@@ -50,7 +50,10 @@ COMMANDS: dict[str, tuple[str, Callable[[Project, list[Target], argparse.Namespa
         "rewrite patches/ from the carry/<version> branch",
         _per_target(lambda p, t, a: export(p, t, a.force)),
     ),
-    "build": ("build the patched wheel / sdist into dist/", lambda p, t, _: build_all(p, t)),
+    "build": (
+        "build the patched wheel / sdist into dist/",
+        lambda p, t, a: build_all(p, t, all_platforms=a.all_platforms),
+    ),
     "verify": (
         "run each patch's tests without it (must fail) and with it (must pass)",
         lambda p, t, a: verify(p, t, a.python),
@@ -103,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "status":
             sub.add_argument("--json", action="store_true", help="print the state as JSON (for CI)")
+        if name == "build":
+            sub.add_argument(
+                "--all-platforms",
+                action="store_true",
+                help="build from every pinned file of the line (each Python and platform), downloading "
+                "the pinned ones not here yet",
+            )
         if name == "verify":
             sub.add_argument(
                 "--python",

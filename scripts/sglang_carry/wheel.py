@@ -26,11 +26,11 @@ from packaging.utils import (
 from packaging.version import Version
 
 from .errors import CarryError
-from .fetch import check_hash
+from .fetch import check_hash, download
 from .files import place
 from .git import Git
 from .patching import require_line_ready
-from .pins import select_file
+from .pins import PinnedFile, select_file
 from .progress import Stopwatch
 from .project import Project, Target
 from .runner import Runner, run_subprocess
@@ -266,10 +266,13 @@ def collect_changes(project: Project, target: Target, git: Git) -> Changes:
     )
 
 
-def build(project: Project, target: Target, runner: Runner = run_subprocess) -> Path:
+def build(
+    project: Project, target: Target, runner: Runner = run_subprocess, pinned: PinnedFile | None = None
+) -> Path:
+    """Build the patched artifact from ``pinned`` (default: the pinned file for this interpreter)."""
     series = project.series(target.release, runner)
     git = require_line_ready(project, target, series, runner, "carry build")
-    pinned = select_file(target.release)
+    pinned = pinned or select_file(target.release)
     source = project.downloads_dir / pinned.filename
     if not source.exists():
         raise CarryError(f"{pinned.filename} is not downloaded: run `carry fetch` first")
@@ -308,10 +311,14 @@ def _place_in_dist(project: Project, built: Path, final: Path) -> None:
         ) from exc
 
 
-def build_all(project: Project, targets: list[Target], runner: Runner = run_subprocess) -> int:
+def build_all(
+    project: Project, targets: list[Target], runner: Runner = run_subprocess, all_platforms: bool = False
+) -> int:
+    """Build each target's artifact; with ``all_platforms``, one from every file its release
+    pins (each wheel's tags kept: the series changes pure-Python files only), downloading the
+    pinned files not yet here, hash-checked, and nothing else."""
     built = []
     for target in targets:
-        watch = Stopwatch()
         if target.skipped_newer:
             newer = ", ".join(target.skipped_newer)
             print(
@@ -319,9 +326,14 @@ def build_all(project: Project, targets: list[Target], runner: Runner = run_subp
                 f"the newest line with one (--upstream VERSION picks another)",
                 flush=True,
             )
-        path = build(project, target, runner)
-        print(f"build: {target.label}: {path.name} ({watch})", flush=True)
-        built.append(path)
+        files = target.release.files if all_platforms else (select_file(target.release),)
+        for pinned in files:
+            watch = Stopwatch()
+            if all_platforms:
+                download(project, target, pinned, runner)
+            path = build(project, target, runner, pinned)
+            print(f"build: {target.label}: {path.name} ({watch})", flush=True)
+            built.append(path)
     # Artifact paths last, wheels at the very end, so scripts and users can take the last line.
     for path in sorted(built, key=lambda p: (p.suffix == ".whl", p.name)):
         print(path.relative_to(project.root) if path.is_relative_to(project.root) else path)

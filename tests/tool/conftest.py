@@ -113,7 +113,9 @@ class FakePip:
             self.calls.append(tuple(args))
             dest = Path(args[args.index("--dest") + 1])
             requirement = args[-1]
-            source = self.files.get(requirement)
+            # A file for one platform only ("demo==1.0 manylinux_2_34_aarch64"), else for any.
+            platform = args[args.index("--platform") + 1] if "--platform" in args else ""
+            source = self.files.get(f"{requirement} {platform}", self.files.get(requirement))
             if source is None:
                 return Completed(
                     tuple(args), 1, "", f"ERROR: No matching distribution found for {requirement}"

@@ -292,3 +292,26 @@ def test_artifact_name_comes_from_the_file_name(tmp_path: Path) -> None:
     )
     with pytest.raises(CarryError, match=r"is version 0.1.7, not the pinned 0.1.6"):
         wheel.artifact_name(tmp_path / "kvcached-0.1.7.tar.gz", "0.1.6", "0.1.6+carry.1")
+
+
+def test_all_platforms_builds_every_pinned_file_downloading_only_the_pins(demo: DemoProject) -> None:
+    """A line pins a wheel per Python and platform; --all-platforms builds each (their tags kept,
+    only the pure-Python files the series changes replaced), downloading the pinned ones."""
+    carry_fix(demo)
+    other = demo.artifacts / "other" / "demo-1.0-cp312-cp312-manylinux_2_34_aarch64.whl"
+    other.parent.mkdir()
+    shutil.copyfile(demo.wheel, other)
+    digest = hashlib.sha256(other.read_bytes()).hexdigest()
+    pin = demo.root / "upstream" / "demo.toml"
+    pin.write_text(pin.read_text() + f'\n[[release.files]]\nfilename = "{other.name}"\nsha256 = "{digest}"\n')
+    demo.pip.files["demo==1.0 manylinux_2_34_aarch64"] = other
+    assert wheel.build_all(demo.project, [demo.target()], demo.pip, all_platforms=True) == 0
+    names = sorted(p.name for p in (demo.root / "dist").glob("*.whl"))
+    assert names == [
+        "demo-1.0+carry.1-cp312-cp312-manylinux_2_34_aarch64.whl",
+        "demo-1.0+carry.1-py3-none-any.whl",
+    ]
+    downloads = [call[-1] for call in demo.pip.calls]
+    assert downloads.count("demo==1.0") == 2  # the fetch's, and the other platform's: nothing else
+    with zipfile.ZipFile(demo.root / "dist" / names[0]) as built:
+        assert built.read("demo/core.py").decode() == "def answer():\n    return 42\n"
