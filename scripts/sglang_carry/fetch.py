@@ -106,6 +106,12 @@ def _pip_download(target: Target, pinned: PinnedFile, incoming: Path, runner: Ru
     result = runner(args, capture=not interactive)
     if result.returncode != 0:
         last = result.output.splitlines()[-1] if result.output else "pip's message is above"
+        if "No matching distribution" in result.output or "from versions: none" in result.output:
+            # pip reached its index, which has no such file: no network problem to look for.
+            raise CarryError(
+                f"pip found no {pinned.filename} on its index ({last}): check the pin's version and "
+                f"file name in upstream/{target.name}.toml, and which index pip uses (pip config list)"
+            )
         raise CarryError(f"pip could not download {pinned.filename} ({last}): check the network and the pin")
 
 

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
 from sglang_carry.errors import CarryError
 from sglang_carry.fetch import fetch
+from sglang_carry.runner import Completed
 
 from .conftest import DEMO_FILES, DemoProject, git, make_wheel, sha256_file
 
@@ -68,15 +70,32 @@ def test_bad_cached_download_is_kept_until_a_good_one_arrives(demo: DemoProject)
     cached = demo.project.downloads_dir / demo.wheel.name
     cached.write_bytes(b"truncated")
     demo.pip.files.clear()
-    with pytest.raises(CarryError, match=r"pip could not download"):
+    with pytest.raises(CarryError, match=r"pip found no demo-1.0-py3-none-any.whl on its index"):
         fetch(demo.project, [demo.target()], demo.pip)
     assert cached.read_bytes() == b"truncated"
 
 
 def test_pip_failure_is_one_line(demo: DemoProject) -> None:
+    """A file the index does not have is not a network problem (it said "check the network")."""
     demo.pip.files.clear()
-    with pytest.raises(CarryError, match=r"pip could not download .*No matching distribution"):
+    with pytest.raises(CarryError) as refused:
         fetch(demo.project, [demo.target()], demo.pip)
+    message = str(refused.value)
+    assert "\n" not in message and "No matching distribution" in message
+    assert "check the pin's version and file name in upstream/demo.toml" in message
+    assert "network" not in message
+
+
+def test_a_pip_that_cannot_reach_its_index_says_check_the_network(demo: DemoProject) -> None:
+    def unreachable(args: Any, **kwargs: Any) -> Completed:
+        return Completed(
+            tuple(args), 1, "", "ERROR: Could not install packages due to an OSError: [Errno 101]"
+        )
+
+    with pytest.raises(
+        CarryError, match=r"pip could not download .*Errno 101.*: check the network and the pin"
+    ):
+        fetch(demo.project, [demo.target()], unreachable)
 
 
 def test_sdist_comes_from_its_pinned_url(demo: DemoProject) -> None:
