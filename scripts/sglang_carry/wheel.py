@@ -27,7 +27,7 @@ from packaging.version import Version
 
 from .errors import CarryError
 from .fetch import check_hash, download
-from .files import place
+from .files import naming, place
 from .git import Git
 from .patching import require_line_ready
 from .pins import PinnedFile, select_file
@@ -288,11 +288,13 @@ def build(
     os.close(handle)
     partial = Path(partial_name)
     try:
-        if source.name.endswith(".whl"):
-            write_wheel(source, partial, local_version, changes, record)
-            verify_wheel_record(partial)
-        else:
-            write_sdist(source, partial, target.name, target.version, local_version, changes, record)
+        # A full build/ names the file being written, not "a file".
+        with naming(partial):
+            if source.name.endswith(".whl"):
+                write_wheel(source, partial, local_version, changes, record)
+                verify_wheel_record(partial)
+            else:
+                write_sdist(source, partial, target.name, target.version, local_version, changes, record)
         _place_in_dist(project, partial, final)
     finally:
         partial.unlink(missing_ok=True)

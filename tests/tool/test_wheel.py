@@ -315,3 +315,23 @@ def test_all_platforms_builds_every_pinned_file_downloading_only_the_pins(demo: 
     assert downloads.count("demo==1.0") == 2  # the fetch's, and the other platform's: nothing else
     with zipfile.ZipFile(demo.root / "dist" / names[0]) as built:
         assert built.read("demo/core.py").decode() == "def answer():\n    return 42\n"
+
+
+def test_a_full_build_folder_names_the_file(
+    demo: DemoProject, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk fills while the wheel is written: the one line named "a file"; now the wheel in
+    progress, and dist/ is left without it."""
+    carry_fix(demo)
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(wheel, "write_wheel", full)
+    assert demo.carry("build", "demo") == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert (
+        line.startswith(f"carry build: error: {demo.root / 'build'}/tmp")
+        and ".partial: No space left" in line
+    )
+    assert not list((demo.root / "dist").glob("*.whl"))
