@@ -172,7 +172,7 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "wheels" / wheel["file"]).is_file()
     # The night's wheels as a simple index, published with them.
     page = (tmp_path / "out" / "simple" / "sglang" / "index.html").read_text()
-    assert f'{wheel["file"]}#sha256={wheel["sha256"]}' in page
+    assert f"{wheel['file']}#sha256={wheel['sha256']}" in page
     assert line["build"]["seconds"] == 2 and (tmp_path / "out" / line["verify"]["log"]).is_file()
     # Every line is built and verified with its own --upstream; nvidia-smi is not even asked.
     assert project.commands("verify")[-1][-2:] == ["--upstream", "0.5.21"]
