@@ -9,12 +9,13 @@ import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any, TextIO
 
 from . import __version__, leftovers
 from .checkout_lock import Holder, hold
 from .errors import CarryError
 from .fetch import fetch
-from .files import describe_os_error
+from .files import describe_os_error, naming
 from .patching import apply, export
 from .project import Project, Target, select_targets
 from .rebase import Request, rebase, rebase_abort, rebase_continue
@@ -202,12 +203,39 @@ def _checkout_lock(project: Project, args: argparse.Namespace) -> AbstractContex
     return hold(project, args.command, wait=not args.no_wait, on_wait=say_waiting)
 
 
+class _NamedStdout:
+    """sys.stdout whose write errors name it: a full device behind `> file` said "a file"."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with naming(Path("stdout")):
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        with naming(Path("stdout")):
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # A terminal or pipe that cannot show a character (PYTHONIOENCODING=latin-1) gets an escape,
     # not a UnicodeEncodeError in the middle of the output.
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
+    stdout = sys.stdout
+    sys.stdout = _NamedStdout(stdout)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout = stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         project = Project.find(args.root.resolve() if args.root else Path.cwd())

@@ -178,3 +178,23 @@ def test_status_runs_where_build_cannot_be_written(
     (demo.root / "build").write_text("not a folder\n")
     assert demo.carry("status", "demo") == 0
     assert "carry/1.0 matches patches/" in capsys.readouterr().out
+
+
+def test_a_full_device_behind_stdout_is_named(demo: DemoProject) -> None:
+    """`carry status > /dev/full` said "a file: No space left on device"."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    carried(demo)
+    with open("/dev/full", "w") as full:
+        run = subprocess.run(
+            [sys.executable, "-m", "sglang_carry", "--root", str(demo.root), "status", "demo"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(SCRIPTS)},
+            timeout=120,
+        )
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "carry status: error: stdout: No space left on device: free some disk space"
+    ]
