@@ -68,6 +68,11 @@ def _sibling(folder: Path, suffix: str) -> Path:
     return folder.with_name(f".{folder.name}{suffix}")
 
 
+def replaced_by(sibling: Path) -> Path:
+    """The folder an ``.incoming``/``.outgoing`` sibling of replace_folder belongs to."""
+    return sibling.with_name(sibling.name[1:].removesuffix(INCOMING_SUFFIX).removesuffix(OUTGOING_SUFFIX))
+
+
 def recover_folder(folder: Path) -> None:
     """Undo what a replace_folder killed part-way left: a half-written new folder goes; an old
     one set aside but not yet replaced comes back. Only for a caller that holds the checkout's

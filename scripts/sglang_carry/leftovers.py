@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import INCOMING_SUFFIX, OUTGOING_SUFFIX, recover_folder
+from .files import INCOMING_SUFFIX, OUTGOING_SUFFIX, recover_folder, replaced_by
 from .project import Project
 
 
@@ -59,10 +59,7 @@ def remove(project: Project) -> list[Leftover]:
     for leftover in found:
         path = leftover.path
         if path.name.endswith((INCOMING_SUFFIX, OUTGOING_SUFFIX)):
-            original = path.with_name(
-                path.name[1:].removesuffix(INCOMING_SUFFIX).removesuffix(OUTGOING_SUFFIX)
-            )
-            recover_folder(original)
+            recover_folder(replaced_by(path))
         elif path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -74,18 +74,18 @@ def write_index(dist_dir: Path, folder: Path) -> IndexResult:
     found = sorted(p for p in candidates if p.is_file() and artifact_project(p.name))
     if not found:
         raise CarryError(f"{dist_dir} holds no wheel or sdist to index: run `carry build` first")
-    files = tuple(
-        IndexedFile(str(artifact_project(p.name)), p, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in found
-    )
     tree: dict[str, bytes] = {}
-    for project in sorted({f.project for f in files}):
-        mine = [f for f in files if f.project == project]
-        for indexed in mine:
-            tree[f"{project}/{indexed.path.name}"] = indexed.path.read_bytes()
-        links = [(f"{f.path.name}#sha256={f.sha256}", f.path.name) for f in mine]
+    indexed: list[IndexedFile] = []
+    for path in found:
+        data = path.read_bytes()
+        entry = IndexedFile(str(artifact_project(path.name)), path, hashlib.sha256(data).hexdigest())
+        tree[f"{entry.project}/{path.name}"] = data
+        indexed.append(entry)
+    result = IndexResult(folder, tuple(indexed))
+    for project in result.projects:
+        links = [(f"{f.path.name}#sha256={f.sha256}", f.path.name) for f in indexed if f.project == project]
         tree[f"{project}/index.html"] = _page(f"Links for {project}", links)
     tree[MARKER] = b"written by `carry index`; rewritten as a whole by it\n"
-    tree["index.html"] = _page("Simple index", [(f"{p}/", p) for p in sorted({f.project for f in files})])
+    tree["index.html"] = _page("Simple index", [(f"{p}/", p) for p in result.projects])
     replace_folder(folder, tree)
-    return IndexResult(folder, files)
+    return result

@@ -14,7 +14,7 @@ from .git import Git
 from .patching import DIFFERS, MATCHES, MISSING, NOT_DESCENDING, branch_state
 from .pins import select_file
 from .project import Project, Target
-from .rebase import STATE_FILE as REBASE_STATE_FILE
+from .rebase import state_path as rebase_state_path
 from .runner import Runner, run_subprocess
 from .series import Series
 
@@ -177,8 +177,7 @@ def describe_checkout(project: Project, runner: Runner) -> CheckoutStatus:
         )
         return found
     for name in sorted(project.pins()):
-        git = Git(project.checkout(name), runner)
-        state = git.state_file(REBASE_STATE_FILE) if git.exists() else None
+        state = rebase_state_path(project, name, runner)
         if state is not None and state.exists():
             found.record["rebases"].append(str(state))
             found.lines.append(
