@@ -73,6 +73,13 @@ def string(
     return value
 
 
+def required_string(table: Mapping[str, object], key: str, place: Place) -> str:
+    """A field every such table must have, a non-empty string."""
+    value = string(table, key, place)
+    assert value is not None  # string() raises for a missing required field
+    return value
+
+
 def tables(table: Mapping[str, object], key: str, place: Place, header: str) -> list[Mapping[str, object]]:
     """A TOML array of tables (``[[header]]``)."""
     value = table.get(key)

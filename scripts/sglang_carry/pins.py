@@ -19,6 +19,7 @@ from .pin_schema import (
     Place,
     check_fields,
     read_text,
+    required_string,
     string,
     tables,
 )
@@ -107,8 +108,7 @@ def load_upstream(path: Path) -> Upstream:
         raise Place(path).error(f"is not valid TOML ({exc})") from exc
     top = Place(path)
     check_fields(data, TOP_LEVEL_FIELDS, top)
-    name = string(data, "name", top)
-    assert name is not None
+    name = required_string(data, "name", top)
     if name != path.stem:
         raise top.error(
             f"says name = '{name}', but a pin file is named after its package: rename the file to "
@@ -130,8 +130,7 @@ def load_upstream(path: Path) -> Upstream:
 
 def _load_release(name: str, raw: Mapping[str, object], place: Place) -> Release:
     check_fields(raw, RELEASE_FIELDS, place)
-    version = string(raw, "version", place)
-    assert version is not None
+    version = required_string(raw, "version", place)
     place = place.inside(f"version {version}")
     try:
         Version(version)
@@ -141,16 +140,15 @@ def _load_release(name: str, raw: Mapping[str, object], place: Place) -> Release
     for index, raw_file in enumerate(tables(raw, "files", place, "release.files"), 1):
         where = place.inside(f"[[release.files]] {index}")
         check_fields(raw_file, FILE_FIELDS, where)
-        filename, sha256 = string(raw_file, "filename", where), string(raw_file, "sha256", where)
-        assert filename is not None and sha256 is not None
+        filename = required_string(raw_file, "filename", where)
+        sha256 = required_string(raw_file, "sha256", where)
         sha256 = sha256.lower()
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
             raise where.error(f"sha256 '{sha256}' is not 64 hex digits")
         files.append(PinnedFile(filename, sha256, string(raw_file, "url", where, required=False)))
     if not files:
         raise place.error("no files pinned: add a [[release.files]] with filename and sha256")
-    git_tag = string(raw, "git_tag", place)
-    assert git_tag is not None
+    git_tag = required_string(raw, "git_tag", place)
     ci = string(raw, "ci", place, required=False)
     if ci is not None and ci not in CI_SCHEDULES:
         raise place.error("'ci' must be 'every' or 'nightly'")
