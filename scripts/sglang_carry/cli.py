@@ -13,35 +13,36 @@ from typing import Any, TextIO
 
 from . import __version__, leftovers
 from .checkout_lock import Holder, hold
+from .cli_render import ConsoleReporter, as_json, problem, text_lines
 from .errors import CarryError
 from .fetch import fetch
 from .files import describe_os_error, naming
 from .patching import apply, export
+from .progress import SILENT, Reporter
 from .project import Project, Target, select_targets
 from .rebase import Request, rebase, rebase_abort, rebase_continue
 from .registry import INDEX_ENV
+from .results import CommandResult
 from .simple_index import write_index
 from .status import status
 from .verify import verify
 from .wheel import build_all
 
+Results = list[CommandResult]
+Command = Callable[[Project, list[Target], argparse.Namespace, Reporter], Results]
 
-def _per_target(
-    step: Callable[[Project, Target, argparse.Namespace], int],
-) -> Callable[[Project, list[Target], argparse.Namespace], int]:
-    def run(project: Project, targets: list[Target], args: argparse.Namespace) -> int:
-        worst = 0
-        for target in targets:
-            worst = max(worst, step(project, target, args))
-        return worst
+
+def _per_target(step: Callable[[Project, Target, argparse.Namespace], CommandResult]) -> Command:
+    def run(project: Project, targets: list[Target], args: argparse.Namespace, _: Reporter) -> Results:
+        return [step(project, target, args) for target in targets]
 
     return run
 
 
-COMMANDS: dict[str, tuple[str, Callable[[Project, list[Target], argparse.Namespace], int]]] = {
+COMMANDS: dict[str, tuple[str, Command]] = {
     "fetch": (
         "download the pinned upstreams (hash-checked) and lay down pristine checkouts",
-        lambda p, t, _: fetch(p, t),
+        lambda p, t, _, report: [fetch(p, t, report=report)],
     ),
     "apply": (
         "git am the series onto a fresh carry/<version> branch",
@@ -53,15 +54,15 @@ COMMANDS: dict[str, tuple[str, Callable[[Project, list[Target], argparse.Namespa
     ),
     "build": (
         "build the patched wheel / sdist into dist/",
-        lambda p, t, a: build_all(p, t, all_platforms=a.all_platforms),
+        lambda p, t, a, report: [build_all(p, t, all_platforms=a.all_platforms, report=report)],
     ),
     "verify": (
         "run each patch's tests without it (must fail) and with it (must pass)",
-        lambda p, t, a: verify(p, t, a.python),
+        lambda p, t, a, report: [verify(p, t, a.python, report=report)],
     ),
     "status": (
         "show pins, downloads, checkouts, branches and series; exit 1 if a line needs work",
-        lambda p, t, a: status(p, t, a.json),
+        lambda p, t, _, report: [status(p, t, report=report)],
     ),
 }
 # Without --upstream, status looks at every pinned line; the others at each package's newest
@@ -105,8 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="write the branch even where patches/ was edited by hand or would lose patches",
             )
-        if name == "status":
-            sub.add_argument("--json", action="store_true", help="print the state as JSON (for CI)")
+        _add_json(sub)
         if name == "build":
             sub.add_argument(
                 "--all-platforms",
@@ -125,16 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = commands.add_parser("index", help=summary, description=summary)
     sub.add_argument("folder", metavar="DIR", type=Path, help="the index folder (written as a whole)")
     sub.add_argument("--no-wait", action="store_true", help=NO_WAIT_HELP)
+    _add_json(sub)
     return parser
 
 
-def _index(project: Project, args: argparse.Namespace) -> int:
-    result = write_index(project.dist_dir, args.folder.resolve())
-    print(
-        f"index: {len(result.files)} file(s) of {', '.join(result.projects)} in {result.folder}; install "
-        f"with `pip install --no-deps --extra-index-url {result.folder.as_uri()} <project>==<version>`"
+def _add_json(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as JSON on stdout (progress goes to stderr; see ci/schemas/)",
     )
-    return 0
 
 
 def _add_rebase_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -163,6 +163,7 @@ def _add_rebase_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
     )
     sub.add_argument("--abort", action="store_true", help="undo the rebase in progress entirely")
     sub.add_argument("--no-wait", action="store_true", help=NO_WAIT_HELP)
+    _add_json(sub)
     sub.add_argument(
         "--python",
         default=None,
@@ -175,17 +176,49 @@ def _add_rebase_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
     )
 
 
-def _rebase(project: Project, args: argparse.Namespace) -> int:
+def _rebase(project: Project, args: argparse.Namespace) -> CommandResult:
+    report = ConsoleReporter(sys.stderr) if args.json else ConsoleReporter()
     if args.resume or args.abort:
         if (args.resume and args.abort) or args.new or args.check:
             raise CarryError(
                 "--continue and --abort take nothing else: `carry rebase --continue` or `--abort`"
             )
-        return rebase_continue(project) if args.resume else rebase_abort(project)
+        return rebase_continue(project, report=report) if args.resume else rebase_abort(project)
     if not args.new:
         raise CarryError("name the release to rebase onto: `carry rebase NEW_VERSION [PACKAGE]`")
     request = Request(args.new, args.package, args.upstream, args.keep, args.python, args.index_url)
-    return rebase(project, request, check=args.check)
+    return rebase(project, request, check=args.check, report=report)
+
+
+def _reporter(args: argparse.Namespace) -> Reporter:
+    if not args.json:
+        return ConsoleReporter()
+    # With --json, stdout is the result alone; status's per-line text is its result, not progress.
+    return SILENT if args.command == "status" else ConsoleReporter(sys.stderr)
+
+
+def _dispatch(project: Project, args: argparse.Namespace) -> Results:
+    if args.command == "rebase":
+        return [_rebase(project, args)]
+    if args.command == "index":
+        return [write_index(project.dist_dir, args.folder.resolve())]
+    every_line = args.command in EVERY_LINE_COMMANDS
+    targets = select_targets(project, args.packages, args.upstream, every_line)
+    return COMMANDS[args.command][1](project, targets, args, _reporter(args))
+
+
+def _render(project: Project, args: argparse.Namespace, results: Results) -> int:
+    if args.json:
+        print(as_json(results))
+    else:
+        for result in results:
+            for line in text_lines(result, project.root):
+                print(line)
+    for result in results:
+        wrong = problem(result)
+        if wrong:
+            print(f"carry {args.command}: error: {wrong}", file=sys.stderr)
+    return max((result.exit_code for result in results), default=0)
 
 
 def _checkout_lock(project: Project, args: argparse.Namespace) -> AbstractContextManager[None]:
@@ -247,14 +280,7 @@ def _main(argv: Sequence[str] | None) -> int:
                         "carry command killed part-way",
                         file=sys.stderr,
                     )
-            if args.command == "rebase":
-                code = _rebase(project, args)
-            elif args.command == "index":
-                code = _index(project, args)
-            else:
-                every_line = args.command in EVERY_LINE_COMMANDS
-                targets = select_targets(project, args.packages, args.upstream, every_line)
-                code = COMMANDS[args.command][1](project, targets, args)
+            code = _render(project, args, _dispatch(project, args))
         # Flushed here, not at exit, so a closed pipe is reported below and not as a traceback.
         sys.stdout.flush()
         return code

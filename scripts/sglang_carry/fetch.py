@@ -2,24 +2,53 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import sys
 import tarfile
 import tempfile
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import ClassVar
 
 from packaging.utils import parse_wheel_filename
 
 from .errors import CarryError
 from .git import PRISTINE_AUTHOR, Git
 from .pins import PinnedFile, select_file
-from .progress import Stopwatch, megabytes
+from .progress import SILENT, Reporter, Stopwatch, megabytes
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 
 IGNORED_IN_CHECKOUT = "__pycache__/\n*.py[co]\n.pytest_cache/\n"
+
+
+class CheckoutState(enum.Enum):
+    PRESENT = "present"  # the pristine tag was there already
+    LAID = "laid"
+
+
+@dataclass(frozen=True)
+class Checkout:
+    package: str
+    line: str
+    tag: str
+    state: CheckoutState
+    seconds: float
+    laid_from: str | None = None
+
+    def describe(self) -> str:
+        if self.state is CheckoutState.PRESENT:
+            return f"{self.package} {self.line}: checkout has {self.tag}"
+        return f"{self.package} {self.line}: laid {self.tag} from {self.laid_from} ({self.seconds:.1f} s)"
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    checkouts: tuple[Checkout, ...]
+    exit_code: ClassVar[int] = 0
 
 
 def sha256_of(path: Path) -> str:
@@ -64,29 +93,30 @@ def pip_download_args(pinned: PinnedFile, dest: Path, name: str, version: str) -
     ]
 
 
-def download(project: Project, target: Target, pinned: PinnedFile, runner: Runner) -> Path:
+def download(
+    project: Project, target: Target, pinned: PinnedFile, runner: Runner, report: Reporter = SILENT
+) -> Path:
     """The pinned file in the download cache, fetched if absent or not matching its pin (an
     interrupted download, say); never used, and never replaced, unless the new file's hash matches."""
     cached = project.downloads_dir / pinned.filename
     if cached.exists():
         actual = sha256_of(cached)
         if actual == pinned.sha256:
-            print(f"fetch: {pinned.filename}: cached, sha256 ok")
+            report.step(f"fetch: {pinned.filename}: cached, sha256 ok")
             return cached
-        print(
+        report.step(
             f"fetch: cached {pinned.filename} has sha256 {actual[:16]}…, not the pinned "
-            f"{pinned.sha256[:16]}… (an interrupted download?): downloading it again",
-            flush=True,
+            f"{pinned.sha256[:16]}… (an interrupted download?): downloading it again"
         )
     project.downloads_dir.mkdir(parents=True, exist_ok=True)
     watch = Stopwatch()
     with tempfile.TemporaryDirectory(dir=project.downloads_dir, prefix=".incoming-") as tmp:
         incoming = Path(tmp)
-        print(f"fetch: downloading {pinned.filename}", flush=True)
+        report.step(f"fetch: downloading {pinned.filename}")
         if pinned.is_wheel:
             _pip_download(target, pinned, incoming, runner)
         else:
-            _url_download(target, pinned, incoming)
+            _url_download(target, pinned, incoming, report)
         fetched = incoming / pinned.filename
         if not fetched.exists():
             found = ", ".join(p.name for p in incoming.iterdir()) or "nothing"
@@ -94,7 +124,7 @@ def download(project: Project, target: Target, pinned: PinnedFile, runner: Runne
         check_hash(fetched, pinned, "downloaded")
         size = fetched.stat().st_size
         fetched.replace(cached)
-    print(f"fetch: {pinned.filename}: downloaded {megabytes(size)}, sha256 ok ({watch})")
+    report.step(f"fetch: {pinned.filename}: downloaded {megabytes(size)}, sha256 ok ({watch})")
     return cached
 
 
@@ -115,10 +145,9 @@ def _pip_download(target: Target, pinned: PinnedFile, incoming: Path, runner: Ru
         raise CarryError(f"pip could not download {pinned.filename} ({last}): check the network and the pin")
 
 
-def _url_download(target: Target, pinned: PinnedFile, incoming: Path) -> None:
+def _url_download(target: Target, pinned: PinnedFile, incoming: Path, report: Reporter) -> None:
     if not pinned.url:
         raise CarryError(f"{pinned.filename} has no url in upstream/{target.name}.toml: add one")
-    interactive = sys.stdout.isatty()
     try:
         with (
             urllib.request.urlopen(pinned.url, timeout=120) as response,
@@ -129,11 +158,9 @@ def _url_download(target: Target, pinned: PinnedFile, incoming: Path) -> None:
             for block in iter(lambda: response.read(1 << 20), b""):
                 out.write(block)
                 done += len(block)
-                if interactive:
-                    of_total = f" of {megabytes(total)}" if total else ""
-                    print(f"\rfetch: {pinned.filename}: {megabytes(done)}{of_total}", end="", flush=True)
-            if interactive:
-                print()
+                of_total = f" of {megabytes(total)}" if total else ""
+                report.meter(f"fetch: {pinned.filename}: {megabytes(done)}{of_total}")
+            report.meter(f"fetch: {pinned.filename}: {megabytes(done)}", done=True)
     except OSError as exc:
         raise CarryError(f"cannot download {pinned.url} ({exc}): check the network") from exc
 
@@ -177,7 +204,9 @@ def _inside(root: Path, member: str, artifact: Path) -> Path:
     return destination
 
 
-def lay_checkout(project: Project, target: Target, artifact: Path, runner: Runner) -> str:
+def lay_checkout(
+    project: Project, target: Target, artifact: Path, runner: Runner, report: Reporter = SILENT
+) -> Checkout:
     """Record the pristine tree as tag ``upstream/<version>`` in ``upstream/<name>/``."""
     repo = project.checkout(target.name)
     git = Git(repo, runner)
@@ -187,9 +216,9 @@ def lay_checkout(project: Project, target: Target, artifact: Path, runner: Runne
         (repo / ".git" / "info").mkdir(exist_ok=True)
         (repo / ".git" / "info" / "exclude").write_text(IGNORED_IN_CHECKOUT)
     if git.rev(target.upstream_tag):
-        return f"{target.label}: checkout has {target.upstream_tag}"
+        return Checkout(target.name, target.version, target.upstream_tag, CheckoutState.PRESENT, 0.0)
     watch = Stopwatch()
-    print(f"fetch: laying down {target.upstream_tag} in upstream/{target.name}", flush=True)
+    report.step(f"fetch: laying down {target.upstream_tag} in upstream/{target.name}")
     project.scratch_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=project.scratch_dir, prefix="pristine-") as tmp:
         tree = Path(tmp) / "tree"
@@ -208,7 +237,14 @@ def lay_checkout(project: Project, target: Target, artifact: Path, runner: Runne
     git.run("tag", target.upstream_tag, commit)
     if git.rev("HEAD") is None:
         git.run("checkout", "--quiet", "-B", target.branch, target.upstream_tag)
-    return f"{target.label}: laid {target.upstream_tag} from {artifact.name} ({watch})"
+    return Checkout(
+        target.name,
+        target.version,
+        target.upstream_tag,
+        CheckoutState.LAID,
+        round(watch.seconds, 1),
+        artifact.name,
+    )
 
 
 def _previous_upstream(git: Git, target: Target) -> str | None:
@@ -224,9 +260,13 @@ def _previous_upstream(git: Git, target: Target) -> str | None:
     return git.rev(f"upstream/{newest}")
 
 
-def fetch(project: Project, targets: list[Target], runner: Runner = run_subprocess) -> int:
+def fetch(
+    project: Project, targets: list[Target], runner: Runner = run_subprocess, report: Reporter = SILENT
+) -> FetchResult:
+    laid = []
     for target in targets:
-        pinned = select_file(target.release)
-        artifact = download(project, target, pinned, runner)
-        print(f"fetch: {lay_checkout(project, target, artifact, runner)}")
-    return 0
+        artifact = download(project, target, select_file(target.release), runner, report)
+        checkout = lay_checkout(project, target, artifact, runner, report)
+        report.step(f"fetch: {checkout.describe()}")
+        laid.append(checkout)
+    return FetchResult(tuple(laid))

@@ -3,9 +3,12 @@ git format-patch doing the work, and the checks that keep either side from losin
 
 from __future__ import annotations
 
+import enum
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from .errors import CarryError
 from .files import recover_folder, replace_folder
@@ -43,8 +46,22 @@ FORMAT_PATCH_ARGS = (
     "--no-thread",
 )
 
+
 # Branch states, as `branch_state` reports them.
-MISSING, NOT_DESCENDING, MATCHES, DIFFERS = "missing", "not-descending", "matches", "differs"
+class BranchState(enum.Enum):
+    MISSING = "missing"
+    NOT_DESCENDING = "not-descending"
+    MATCHES = "matches"  # exporting it now reproduces the series byte for byte
+    DIFFERS = "differs"
+    UNKNOWN = "unknown"  # status only: a git operation in progress hides it
+
+
+MISSING, NOT_DESCENDING, MATCHES, DIFFERS = (
+    BranchState.MISSING,
+    BranchState.NOT_DESCENDING,
+    BranchState.MATCHES,
+    BranchState.DIFFERS,
+)
 
 
 # --- Checks on the checkout, shared by every command that reads or rewrites a carry branch. ---
@@ -110,9 +127,8 @@ def _writable(scratch: Path) -> Path | None:
     return scratch if os.access(scratch, os.W_OK) else None
 
 
-def branch_state(git: Git, target: Target, series: Series, scratch: Path) -> str:
-    """MISSING, NOT_DESCENDING, MATCHES (exporting it now reproduces the series byte for byte) or
-    DIFFERS."""
+def branch_state(git: Git, target: Target, series: Series, scratch: Path) -> BranchState:
+    """Where ``target.branch`` stands against the series."""
     if git.rev(target.branch) is None:
         return MISSING
     if not git.is_ancestor(target.upstream_tag, target.branch):
@@ -152,7 +168,42 @@ def require_line_ready(project: Project, target: Target, series: Series, runner:
 # --- patches/ -> branch ---
 
 
-def apply(project: Project, target: Target, runner: Runner = run_subprocess) -> int:
+class ApplyState(enum.Enum):
+    ALREADY_CARRIES = "already-carries"
+    APPLIED = "applied"
+    NO_SERIES = "no-series"  # the branch is the pristine tag, for the ported patches
+
+
+@dataclass(frozen=True)
+class Applied:
+    package: str
+    line: str
+    branch: str
+    series: str
+    state: ApplyState
+    patches: int
+    # The branch's previous tip, kept under this name because it was not the series.
+    backup: str | None
+    seconds: float
+    exit_code: ClassVar[int] = 0
+
+    def describe(self) -> list[str]:
+        """What happened, in the words `carry` shows."""
+        label = f"{self.package} {self.line}"
+        if self.state is ApplyState.ALREADY_CARRIES:
+            return [f"apply: {label}: {self.branch} already carries {self.series}"]
+        lines = [f"apply: kept the previous {self.branch} as {self.backup}"] if self.backup else []
+        if self.state is ApplyState.NO_SERIES:
+            lines.append(
+                f"apply: {label}: {self.series} has no series yet; {self.branch} is upstream/{self.line}: "
+                "commit the ported patches there, then `carry export`"
+            )
+        done = f"{self.patches} patch(es) from {self.series} on {self.branch} ({self.seconds:.1f} s)"
+        lines.append(f"apply: {label}: {done}")
+        return lines
+
+
+def apply(project: Project, target: Target, runner: Runner = run_subprocess) -> Applied:
     watch = Stopwatch()
     git = open_checkout(project, target, runner, "carry apply")
     series = project.series(target.release, runner)
@@ -160,29 +211,34 @@ def apply(project: Project, target: Target, runner: Runner = run_subprocess) -> 
     # saying "already carries" would let it go unnoticed.
     require_clean(git, target, "carry apply")
     old_tip = git.rev(target.branch)
+
+    def applied(state: ApplyState, backup: str | None = None) -> Applied:
+        return Applied(
+            target.name,
+            target.version,
+            target.branch,
+            series.label,
+            state,
+            len(series.entries),
+            backup,
+            round(watch.seconds, 1),
+        )
+
     if old_tip and branch_state(git, target, series, project.scratch_dir) == MATCHES:
         if git.current_branch() != target.branch:
             git.run("checkout", "--quiet", target.branch)
-        print(f"apply: {target.label}: {target.branch} already carries {series.label}")
-        return 0
+        return applied(ApplyState.ALREADY_CARRIES)
+    backup = None
     if old_tip and old_tip != git.rev(target.upstream_tag):
         backup = f"carry-backup/{target.version}/{old_tip[:12]}"
         git.run("branch", "--force", backup, old_tip)
-        print(f"apply: kept the previous {target.branch} as {backup}")
     _record_applied(git, target, series)
     git.run("checkout", "--quiet", "-B", target.branch, target.upstream_tag)
     if series.entries:
         _am(git, target, series)
     elif series.carries_nothing is None:
-        print(
-            f"apply: {target.label}: {series.label} has no series yet; {target.branch} is "
-            f"{target.upstream_tag}: commit the ported patches there, then `carry export`"
-        )
-    print(
-        f"apply: {target.label}: {len(series.entries)} patch(es) from {series.label} "
-        f"on {target.branch} ({watch})"
-    )
-    return 0
+        return applied(ApplyState.NO_SERIES, backup)
+    return applied(ApplyState.APPLIED, backup)
 
 
 def _applied_record(git: Git, target: Target) -> Path:
@@ -252,7 +308,46 @@ def export_branch(git: Git, target: Target, dest: Path) -> list[str]:
     return [path.name for path in paths]
 
 
-def export(project: Project, target: Target, force: bool = False, runner: Runner = run_subprocess) -> int:
+class ExportState(enum.Enum):
+    NOTHING_TO_WRITE = "nothing-to-write"  # no commits, and no series folder to empty
+    UNCHANGED = "unchanged"
+    WROTE = "wrote"
+
+
+@dataclass(frozen=True)
+class Exported:
+    package: str
+    line: str
+    branch: str
+    folder: str
+    state: ExportState
+    patches: int = 0
+    revision: int | None = None
+    # Files in the folder that no series line names: left in place, for the user to decide.
+    strays: tuple[str, ...] = ()
+    exit_code: ClassVar[int] = 0
+
+    def describe(self) -> list[str]:
+        """What happened, in the words `carry` shows."""
+        label = f"{self.package} {self.line}"
+        if self.state is ExportState.NOTHING_TO_WRITE:
+            return [f"export: {label}: no patches on {self.branch}, nothing to write"]
+        lines = [
+            f"export: {self.folder}/{stray} is not in the series and was left in place: "
+            f"commit it on {self.branch} and export, or delete it"
+            for stray in self.strays
+        ]
+        if self.state is ExportState.UNCHANGED:
+            return [*lines, f"export: {label}: patches/ unchanged (revision {self.revision})"]
+        return [
+            *lines,
+            f"export: {label}: wrote {self.patches} patch(es) to {self.folder} (revision {self.revision})",
+        ]
+
+
+def export(
+    project: Project, target: Target, force: bool = False, runner: Runner = run_subprocess
+) -> Exported:
     git = open_checkout(project, target, runner, "carry export")
     require_branch(git, target)
     require_clean(git, target, "carry export")
@@ -272,8 +367,9 @@ def export(project: Project, target: Target, force: bool = False, runner: Runner
             "now; nothing was written"
         )
     if not names and (not folder.exists or folder.carries_nothing is not None):
-        print(f"export: {target.label}: no patches on {target.branch}, nothing to write")
-        return 0
+        return Exported(
+            target.name, target.version, target.branch, folder.label, ExportState.NOTHING_TO_WRITE
+        )
     _refuse_overwriting_strays(folder, names)
     if not force:
         _refuse_losing_work(folder, target, names, exported, _applied_digest(git, target))
@@ -283,16 +379,16 @@ def export(project: Project, target: Target, force: bool = False, runner: Runner
     changed = _write_series(
         folder, names, exported, render_revision_file(revision, revision_digest(content, revision))
     )
-    for stray in folder.strays:
-        print(
-            f"export: {folder.label}/{stray} is not in the series and was left in place: "
-            f"commit it on {target.branch} and export, or delete it"
-        )
-    if not changed:
-        print(f"export: {target.label}: patches/ unchanged (revision {revision})")
-        return 0
-    print(f"export: {target.label}: wrote {len(names)} patch(es) to {folder.label} (revision {revision})")
-    return 0
+    return Exported(
+        target.name,
+        target.version,
+        target.branch,
+        folder.label,
+        ExportState.WROTE if changed else ExportState.UNCHANGED,
+        len(names),
+        revision,
+        tuple(folder.strays),
+    )
 
 
 def _refuse_overwriting_strays(folder: SeriesFolder, names: list[str]) -> None:

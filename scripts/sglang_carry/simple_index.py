@@ -12,6 +12,7 @@ import hashlib
 import html
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from packaging.utils import (
     InvalidSdistFilename,
@@ -35,6 +36,8 @@ class IndexedFile:
 class IndexResult:
     folder: Path
     files: tuple[IndexedFile, ...]
+    exit_code: ClassVar[int] = 0
+    json_extra: ClassVar[tuple[str, ...]] = ("projects",)
 
     @property
     def projects(self) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,10 +10,12 @@ from .checkout_lock import working
 from .errors import CarryError
 from .fetch import sha256_of
 from .git import Git
-from .patching import DIFFERS, MATCHES, MISSING, NOT_DESCENDING, branch_state
+from .patching import DIFFERS, MATCHES, MISSING, NOT_DESCENDING, BranchState, branch_state
 from .pins import select_file
+from .progress import SILENT, Reporter
 from .project import Project, Target
 from .rebase import state_path as rebase_state_path
+from .results import to_json
 from .runner import Runner, run_subprocess
 from .series import Series
 
@@ -134,7 +135,7 @@ def _describe_checkout(
     operation = git.operation_in_progress()
     if operation is not None:
         state = f"git {operation.name} in progress (`{operation.resume}` or `{operation.abort}`)"
-        branch = "unknown"
+        branch = BranchState.UNKNOWN
         line.problems.append(f"a git {operation.name} is in progress in upstream/{target.name}")
     else:
         state = f"{dirty} uncommitted change(s)" if dirty else "clean"
@@ -195,24 +196,36 @@ def describe_checkout(project: Project, runner: Runner) -> CheckoutStatus:
     return found
 
 
+@dataclass(frozen=True)
+class StatusResult:
+    lines: tuple[LineStatus, ...]
+    checkout: CheckoutStatus
+
+    @property
+    def problems(self) -> int:
+        return sum(len(line.problems) for line in self.lines) + len(self.checkout.problems)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.problems else 0
+
+    def record(self) -> dict[str, Any]:
+        """The state as `carry status --json` prints it (ci/schemas/status.schema.json)."""
+        return {
+            "ok": self.problems == 0,
+            "lines": [to_json(line.record) for line in self.lines],
+            "checkout": to_json(self.checkout.record),
+        }
+
+
 def status(
-    project: Project, targets: list[Target], as_json: bool = False, runner: Runner = run_subprocess
-) -> int:
-    problems = 0
-    records = []
+    project: Project, targets: list[Target], runner: Runner = run_subprocess, report: Reporter = SILENT
+) -> StatusResult:
+    """Each line's state, reported as it is found (a slow line does not hold back the others)."""
+    found = []
     for target in targets:
         line = describe(project, target, runner)
-        problems += len(line.problems)
-        records.append(line.record)
-        if not as_json:
-            print("\n".join(line.lines), flush=True)
+        report.step("\n".join(line.lines))
+        found.append(line)
     checkout = describe_checkout(project, runner)
-    problems += len(checkout.problems)
-    if not as_json and checkout.lines:
-        print("\n".join(checkout.lines), flush=True)
-    if as_json:
-        report = {"ok": problems == 0, "lines": records, "checkout": checkout.record}
-        print(json.dumps(report, indent=2, ensure_ascii=False))
-    elif problems:
-        print(f"status: {problems} problem(s) to fix before `carry build`; exit 1")
-    return 1 if problems else 0
+    return StatusResult(tuple(found), checkout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -13,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
-from .errors import CarryError
 from .git import Git
 from .patching import require_line_ready
+from .progress import SILENT, Reporter
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 from .series import Entry
@@ -138,6 +137,7 @@ class TreeTester:
         python: str,
         runner: Runner,
         parallel: int = DEFAULT_PARALLEL,
+        report: Reporter = SILENT,
     ) -> None:
         self.project = project
         self.target = target
@@ -145,6 +145,7 @@ class TreeTester:
         self.python = python
         self.runner = runner
         self.parallel = max(1, parallel)
+        self.report = report
         parent = project.scratch_dir / "verify" / target.name
         parent.mkdir(parents=True, exist_ok=True)
         self.base = Path(tempfile.mkdtemp(dir=parent, prefix="run-"))
@@ -172,8 +173,8 @@ class TreeTester:
             return
         total = len(queue)
         self._finished = 0
-        print(
-            f"verify: {self.target.label}: {total} tree(s), {min(self.parallel, total)} at a time", flush=True
+        self.report.step(
+            f"verify: {self.target.label}: {total} tree(s), {min(self.parallel, total)} at a time"
         )
         while len(self.slots) < min(self.parallel, total):
             number = len(self.slots)
@@ -266,7 +267,7 @@ class TreeTester:
             # Split where the failure can hide: by group (an entry's ids) when there are several,
             # else by id, so one bad id or one failing test spoils only its own part.
             parts = groups if len(groups) > 1 else [[test] for test in tests]
-            print(f"verify: {commit[:12]}: running each of {len(parts)} parts on its own", flush=True)
+            self.report.step(f"verify: {commit[:12]}: running each of {len(parts)} parts on its own")
             for index, part in enumerate(parts):
                 one = self._pytest(commit, part, env, f"part-{index}", whole=True)
                 self._record(commit, one if one is not None else dict.fromkeys(part, ERROR))
@@ -280,11 +281,10 @@ class TreeTester:
                 f"{sum(self.results[(commit, t)] == kind for t in tests)} {kind}"
                 for kind in (PASS, FAIL, ERROR)
             )
-            print(
+            self.report.step(
                 f"verify: {self.target.label}: tree {self._finished}/{total} {commit[:12]}"
                 f"{' (' + self.names[commit] + ')' if commit in self.names else ''} "
-                f"(slot {slot.number}): {len(tests)} id(s): {counts} in {seconds:.0f} s",
-                flush=True,
+                f"(slot {slot.number}): {len(tests)} id(s): {counts} in {seconds:.0f} s"
             )
 
     def _record(self, commit: str, outcomes: dict[str, str]) -> None:
@@ -322,9 +322,7 @@ class TreeTester:
                     return dict.fromkeys(tests, FAIL)
                 problem = f"pytest exited 1 and {exc}"
         tail = "\n".join(result.output.splitlines()[-5:])
-        print(
-            f"verify: error at {commit[:12]}: {problem}; its last lines:\n{tail}", file=sys.stderr, flush=True
-        )
+        self.report.warn(f"verify: error at {commit[:12]}: {problem}; its last lines:\n{tail}")
         return None
 
     def close(self) -> None:
@@ -334,16 +332,18 @@ class TreeTester:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def verify_target(project: Project, target: Target, python: str, runner: Runner) -> list[Verdict]:
+def verify_target(
+    project: Project, target: Target, python: str, runner: Runner, report: Reporter = SILENT
+) -> list[Verdict]:
     series = project.series(target.release, runner)
     git = require_line_ready(project, target, series, runner, "carry verify")
     if series.carries_nothing is not None:
-        print(f"verify: {target.label} carries nothing on purpose ({series.carries_nothing})")
+        report.step(f"verify: {target.label} carries nothing on purpose ({series.carries_nothing})")
         return []
     commits = git.commits(target.upstream_tag, target.branch)
     pristine = git.rev(target.upstream_tag)
     assert pristine is not None and len(commits) == len(series.entries)
-    tester = TreeTester(project, target, git, python, runner)
+    tester = TreeTester(project, target, git, python, runner, report=report)
     tester.names = {pristine: "pristine"} | {
         commit: f"patches 1-{index + 1}" for index, commit in enumerate(commits)
     }
@@ -384,24 +384,44 @@ def render_table(rows: list[tuple[str, Verdict]]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class VerifyRow:
+    line: str
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    rows: tuple[VerifyRow, ...]
+
+    @property
+    def wrong(self) -> tuple[VerifyRow, ...]:
+        return tuple(row for row in self.rows if not row.verdict.ok)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.wrong else 0
+
+    def problem(self) -> str | None:
+        """The one error line when an entry is not proven."""
+        if not self.wrong:
+            return None
+        return f"{len(self.wrong)} of {len(self.rows)} series entries are not proven: see the table above"
+
+
 def verify(
-    project: Project, targets: list[Target], python: str | None, runner: Runner = run_subprocess
-) -> int:
+    project: Project,
+    targets: list[Target],
+    python: str | None,
+    runner: Runner = run_subprocess,
+    report: Reporter = SILENT,
+) -> VerifyResult:
     """``python`` overrides each line's own test environment (see testenv.py)."""
-    rows: list[tuple[str, Verdict]] = []
+    rows: list[VerifyRow] = []
     for target in targets:
         # A line with nothing to verify says so before its test environment is asked for.
         project.series(target.release, runner).require_something_to_carry()
         interpreter = python or test_python(project, target.release)
-        rows.extend(
-            (target.label, verdict) for verdict in verify_target(project, target, interpreter, runner)
-        )
-    if not rows:
-        print("verify: every line carries nothing on purpose; nothing to verify")
-        return 0
-    print(render_table(rows))
-    wrong = [verdict for _, verdict in rows if not verdict.ok]
-    if wrong:
-        raise CarryError(f"{len(wrong)} of {len(rows)} series entries are not proven: see the table above")
-    print(f"verify: all {len(rows)} series entries proven")
-    return 0
+        verdicts = verify_target(project, target, interpreter, runner, report)
+        rows.extend(VerifyRow(target.label, verdict) for verdict in verdicts)
+    return VerifyResult(tuple(rows))

@@ -16,6 +16,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import ClassVar
 
 from packaging.utils import (
     InvalidSdistFilename,
@@ -26,12 +27,12 @@ from packaging.utils import (
 from packaging.version import Version
 
 from .errors import CarryError
-from .fetch import check_hash, download
+from .fetch import check_hash, download, sha256_of
 from .files import naming, place
 from .git import Git
 from .patching import require_line_ready
 from .pins import PinnedFile, select_file
-from .progress import Stopwatch
+from .progress import SILENT, Reporter, Stopwatch
 from .project import Project, Target
 from .runner import Runner, run_subprocess
 from .series import Series
@@ -313,30 +314,66 @@ def _place_in_dist(project: Project, built: Path, final: Path) -> None:
         ) from exc
 
 
+@dataclass(frozen=True)
+class BuiltArtifact:
+    package: str
+    line: str
+    path: Path
+    # The pinned upstream file it was built from, and whether pip would pick it for the
+    # interpreter that built it (the artifact to install and test here).
+    source: str
+    for_this_interpreter: bool
+    sha256: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    artifacts: tuple[BuiltArtifact, ...]
+    # Lines pinned newer than the one built, which have no series yet, per package.
+    skipped_newer: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    exit_code: ClassVar[int] = 0
+
+    def here(self, package: str) -> BuiltArtifact | None:
+        """The artifact of ``package`` for the interpreter that built it."""
+        return next((a for a in self.artifacts if a.package == package and a.for_this_interpreter), None)
+
+
 def build_all(
-    project: Project, targets: list[Target], runner: Runner = run_subprocess, all_platforms: bool = False
-) -> int:
+    project: Project,
+    targets: list[Target],
+    runner: Runner = run_subprocess,
+    all_platforms: bool = False,
+    report: Reporter = SILENT,
+) -> BuildResult:
     """Build each target's artifact; with ``all_platforms``, one from every file its release
     pins (each wheel's tags kept: the series changes pure-Python files only), downloading the
     pinned files not yet here, hash-checked, and nothing else."""
-    built = []
+    built: list[BuiltArtifact] = []
+    skipped: list[tuple[str, str, tuple[str, ...]]] = []
     for target in targets:
         if target.skipped_newer:
-            newer = ", ".join(target.skipped_newer)
-            print(
-                f"build: {target.name} {newer} pinned without a series; building {target.version}, "
-                f"the newest line with one (--upstream VERSION picks another)",
-                flush=True,
+            skipped.append((target.name, target.version, tuple(target.skipped_newer)))
+            report.step(
+                f"build: {target.name} {', '.join(target.skipped_newer)} pinned without a series; building "
+                f"{target.version}, the newest line with one (--upstream VERSION picks another)"
             )
-        files = target.release.files if all_platforms else (select_file(target.release),)
-        for pinned in files:
+        here = select_file(target.release)
+        for pinned in target.release.files if all_platforms else (here,):
             watch = Stopwatch()
             if all_platforms:
-                download(project, target, pinned, runner)
+                download(project, target, pinned, runner, report)
             path = build(project, target, runner, pinned)
-            print(f"build: {target.label}: {path.name} ({watch})", flush=True)
-            built.append(path)
-    # Artifact paths last, wheels at the very end, so scripts and users can take the last line.
-    for path in sorted(built, key=lambda p: (p.suffix == ".whl", p.name)):
-        print(path.relative_to(project.root) if path.is_relative_to(project.root) else path)
-    return 0
+            report.step(f"build: {target.label}: {path.name} ({watch})")
+            built.append(
+                BuiltArtifact(
+                    target.name,
+                    target.version,
+                    path,
+                    pinned.filename,
+                    pinned == here,
+                    sha256_of(path),
+                    round(watch.seconds, 1),
+                )
+            )
+    return BuildResult(tuple(built), tuple(skipped))

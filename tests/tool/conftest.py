@@ -173,7 +173,7 @@ class DemoProject:
         return self.root / "patches" / "demo" / "1.0"
 
     def fetch(self, name: str = "demo", version: str | None = None) -> None:
-        assert fetch(self.project, [self.target(name, version)], self.pip) == 0
+        assert fetch(self.project, [self.target(name, version)], self.pip).exit_code == 0
 
     def commit_change(self, path: str, content: str, message: str, repo: Path | None = None) -> None:
         repo = repo or self.checkout

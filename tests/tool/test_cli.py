@@ -45,7 +45,7 @@ def test_build_before_fetch_says_what_to_do(demo: DemoProject, capsys: pytest.Ca
 def carried(demo: DemoProject) -> None:
     demo.fetch()
     demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
-    assert export(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()).exit_code == 0
 
 
 def test_status_exit_codes(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,8 @@ from typing import Any
 import pytest
 
 from sglang_carry.errors import CarryError
-from sglang_carry.fetch import fetch
+from sglang_carry.fetch import CheckoutState, fetch
+from sglang_carry.progress import Recorder
 from sglang_carry.runner import Completed
 
 from .conftest import DEMO_FILES, DemoProject, git, make_wheel, sha256_file
@@ -55,14 +56,15 @@ def test_download_hash_mismatch_names_both_hashes(demo: DemoProject) -> None:
     assert not demo.checkout.exists()
 
 
-def test_truncated_download_is_fetched_again(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
+def test_truncated_download_is_fetched_again(demo: DemoProject) -> None:
     demo.fetch()
     cached = demo.project.downloads_dir / demo.wheel.name
     cached.write_bytes(demo.wheel.read_bytes()[:100])
-    demo.fetch()
+    report = Recorder()
+    fetch(demo.project, [demo.target()], demo.pip, report)
     assert cached.read_bytes() == demo.wheel.read_bytes()
     assert len(demo.pip.calls) == 2
-    assert "(an interrupted download?): downloading it again" in capsys.readouterr().out
+    assert "(an interrupted download?): downloading it again" in report.steps[0]
 
 
 def test_bad_cached_download_is_kept_until_a_good_one_arrives(demo: DemoProject) -> None:
@@ -117,11 +119,11 @@ def test_wheel_member_outside_the_tree_is_refused(demo: DemoProject) -> None:
     assert git(demo.checkout, "tag").stdout == ""
 
 
-def test_fetch_reports_each_long_step_with_its_duration(
-    demo: DemoProject, capsys: pytest.CaptureFixture[str]
-) -> None:
-    demo.fetch()
-    out = capsys.readouterr().out.splitlines()
+def test_fetch_reports_each_long_step_with_its_duration(demo: DemoProject) -> None:
+    report = Recorder()
+    result = fetch(demo.project, [demo.target()], demo.pip, report)
+    out = report.steps
+    assert [checkout.state for checkout in result.checkouts] == [CheckoutState.LAID]
     assert re.fullmatch(
         r"fetch: demo-1\.0-py3-none-any\.whl: downloaded [\d.]+ MB, sha256 ok \([\d.]+ s\)", out[1]
     )

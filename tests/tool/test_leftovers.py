@@ -24,7 +24,7 @@ CORE = "python/demo/core.py"
 def carried(demo: DemoProject) -> None:
     demo.fetch()
     demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
-    assert export(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()).exit_code == 0
 
 
 def leave_a_killed_build(demo: DemoProject) -> Path:

@@ -57,7 +57,7 @@ def test_new_line_marked_as_carrying_nothing_builds(demo: DemoProject) -> None:
     marker.parent.mkdir()
     marker.write_text("1.1 has the fix upstream\n")
     assert select_targets(demo.project, ["demo"], None)[0].version == "1.1"
-    assert apply(demo.project, demo.target()) == 0
+    assert apply(demo.project, demo.target()).exit_code == 0
     assert build(demo.project, demo.target()).name == "demo-1.1+carry.0-py3-none-any.whl"
 
 
@@ -101,7 +101,7 @@ def test_export_beside_carries_nothing(demo: DemoProject) -> None:
     demo.fetch()
     demo.series_dir.mkdir(parents=True)
     (demo.series_dir / "carries-nothing").write_text("upstream has every fix\n")
-    assert export(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()).exit_code == 0
     assert [p.name for p in demo.series_dir.iterdir()] == ["carries-nothing"]
     demo.commit_change(CORE, "def answer():\n    return 42\n", patch_message("Fix the answer"))
     with pytest.raises(

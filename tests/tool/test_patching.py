@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
+from sglang_carry.cli_render import text_lines
 from sglang_carry.errors import CarryError
 from sglang_carry.files import INCOMING_SUFFIX, OUTGOING_SUFFIX
 from sglang_carry.git import Git
-from sglang_carry.patching import apply, export
+from sglang_carry.patching import ApplyState, apply, export
 from sglang_carry.runner import Completed, run_subprocess
 from sglang_carry.series import load_series
 
@@ -29,7 +30,7 @@ def carry_two_patches(demo: DemoProject) -> None:
 
 def test_export_then_apply_round_trip_is_byte_stable(demo: DemoProject) -> None:
     carry_two_patches(demo)
-    assert export(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()).exit_code == 0
     first = demo.snapshot(demo.series_dir)
     assert list(first) == [
         "0001-Fix-the-answer.patch",
@@ -44,9 +45,9 @@ def test_export_then_apply_round_trip_is_byte_stable(demo: DemoProject) -> None:
 
     git(demo.checkout, "checkout", "-q", "--detach")
     git(demo.checkout, "branch", "-D", "carry/1.0")
-    assert apply(demo.project, demo.target()) == 0
+    assert apply(demo.project, demo.target()).exit_code == 0
     assert git(demo.checkout, "rev-list", "--count", "upstream/1.0..carry/1.0").stdout.strip() == "3"
-    assert export(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()).exit_code == 0
     assert demo.snapshot(demo.series_dir) == first
 
 
@@ -56,8 +57,9 @@ def test_apply_is_a_no_op_when_the_branch_carries_the_series(
     carry_two_patches(demo)
     export(demo.project, demo.target())
     tip = git(demo.checkout, "rev-parse", "HEAD").stdout
-    assert apply(demo.project, demo.target()) == 0
-    assert "already carries" in capsys.readouterr().out
+    result = apply(demo.project, demo.target())
+    assert result.state is ApplyState.ALREADY_CARRIES
+    assert "already carries" in text_lines(result, demo.root)[0]
     assert git(demo.checkout, "rev-parse", "HEAD").stdout == tip
 
 
@@ -103,7 +105,7 @@ def test_rebuilding_a_diverged_branch_keeps_a_backup(demo: DemoProject) -> None:
     export(demo.project, demo.target())
     demo.commit_change(CORE, "def answer():\n    return 0\n", patch_message("Unexported work"))
     tip = git(demo.checkout, "rev-parse", "HEAD").stdout.strip()
-    assert apply(demo.project, demo.target()) == 0
+    assert apply(demo.project, demo.target()).exit_code == 0
     backups = git(
         demo.checkout, "branch", "--list", "carry-backup/*", "--format=%(objectname)"
     ).stdout.split()
@@ -196,10 +198,12 @@ def test_export_keeps_a_stray_patch_file_and_reports_it(
     stray = demo.series_dir / "0099-x.patch"
     stray.write_text("someone's work\n")
     demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
-    assert export(demo.project, demo.target()) == 0
+    result = export(demo.project, demo.target())
+    assert result.exit_code == 0 and result.strays == ("0099-x.patch",)
     assert stray.read_text() == "someone's work\n"
     assert (
-        "patches/demo/1.0/0099-x.patch is not in the series and was left in place" in capsys.readouterr().out
+        "patches/demo/1.0/0099-x.patch is not in the series and was left in place"
+        in (text_lines(result, demo.root)[0])
     )
     assert (demo.series_dir / "0004-Change-again.patch").exists()
 
@@ -264,8 +268,8 @@ def test_hand_edit_is_detected_not_thrown_away(demo: DemoProject) -> None:
     assert "`carry apply`" in message and "`carry export --force`" in message
     assert demo.snapshot(demo.series_dir) == before
     # Keeping the files' version: apply rebuilds the branch from them, export then records them.
-    assert apply(demo.project, demo.target()) == 0
-    assert export(demo.project, demo.target()) == 0
+    assert apply(demo.project, demo.target()).exit_code == 0
+    assert export(demo.project, demo.target()).exit_code == 0
     assert patch.read_text() == edited
     assert load_series(demo.root / "patches", "demo", "1.0").revision == 2
 
@@ -276,8 +280,8 @@ def test_hand_edit_that_does_not_round_trip_is_kept_after_apply(demo: DemoProjec
     patch = demo.series_dir / "0003-Add-extra.patch"
     # A code edit in the patch: git am applies it, but format-patch writes other index lines.
     patch.write_text(patch.read_text().replace("+EXTRA = True", "+EXTRA = False"))
-    assert apply(demo.project, demo.target()) == 0
-    assert export(demo.project, demo.target()) == 0
+    assert apply(demo.project, demo.target()).exit_code == 0
+    assert export(demo.project, demo.target()).exit_code == 0
     assert git(demo.checkout, "show", "carry/1.0:python/demo/extra.py").stdout == "EXTRA = False\n"
     assert "+EXTRA = False" in patch.read_text()
 
@@ -288,7 +292,7 @@ def test_export_force_keeps_the_branch(demo: DemoProject) -> None:
     patch = demo.series_dir / "0003-Add-extra.patch"
     exported = patch.read_bytes()
     patch.write_text(patch.read_text().replace("Why this change", "Why that change"))
-    assert export(demo.project, demo.target(), force=True) == 0
+    assert export(demo.project, demo.target(), force=True).exit_code == 0
     assert patch.read_bytes() == exported
 
 
@@ -311,7 +315,7 @@ def test_apply_of_an_empty_entry_succeeds_whatever_git_speaks(
     monkeypatch.delenv("LC_MESSAGES", raising=False)
     monkeypatch.setenv("LANG", "C.UTF-8")
     monkeypatch.setenv("LANGUAGE", "de")
-    assert apply(demo.project, demo.target()) == 0
+    assert apply(demo.project, demo.target()).exit_code == 0
     assert git(demo.checkout, "rev-list", "--count", "upstream/1.0..carry/1.0").stdout.strip() == "3"
     assert git(demo.checkout, "status", "--porcelain").stdout == ""
 
@@ -391,7 +395,7 @@ def test_a_full_disk_during_export_leaves_the_series_as_it_was(
     assert demo.snapshot(demo.series_dir) == before
     assert [p.name for p in demo.series_dir.parent.iterdir()] == ["1.0"]
     monkeypatch.undo()
-    assert export(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()).exit_code == 0
     assert load_series(demo.root / "patches", "demo", "1.0").revision == 2
     assert (demo.series_dir / "REBASE.md").read_text() == "how this line was made\n"
 
@@ -407,7 +411,7 @@ def test_an_export_killed_while_it_swapped_folders_is_undone_by_the_next(demo: D
     before = demo.snapshot(demo.series_dir)
     demo.series_dir.rename(demo.series_dir.with_name(".1.0" + OUTGOING_SUFFIX))
     (demo.series_dir.with_name(".1.0" + INCOMING_SUFFIX)).mkdir()
-    assert export(demo.project, demo.target()) == 0
+    assert export(demo.project, demo.target()).exit_code == 0
     assert demo.snapshot(demo.series_dir) == before  # revision 2 and REBASE.md, as they were
     assert [p.name for p in demo.series_dir.parent.iterdir()] == ["1.0"]
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from sglang_carry.cli_render import ConsoleReporter, text_lines
 from sglang_carry.errors import CarryError
 from sglang_carry.patching import export
 from sglang_carry.pins import PinnedFile, Release, load_upstream
-from sglang_carry.rebase import Request, rebase, rebase_abort, rebase_continue
-from sglang_carry.rebase_report import drop_when_matches
+from sglang_carry.rebase import Aborted, RebaseResult, Request, rebase, rebase_abort, rebase_continue
+from sglang_carry.rebase.report import drop_when_matches
 from sglang_carry.registry import (
     IndexFile,
     fetch_url,
@@ -145,7 +146,7 @@ class Rebasing:
             CORE, core(FIX_ANSWER, FIX_NINE), message("Fix nine", "tests/test_nine.py", drop_when)
         )
         demo.commit_empty(message("Upstream has the value", "tests/test_value.py", status="Applied-Upstream"))
-        assert export(demo.project, demo.target(version="1.1")) == 0
+        assert export(demo.project, demo.target(version="1.1")).exit_code == 0
         new_wheel = make_wheel(demo.artifacts, "demo", "1.2", {**OLD_FILES, "demo/core.py": new_core})
         self.index.wheels.append(new_wheel)
         demo.pip.files["demo==1.2"] = new_wheel
@@ -153,13 +154,26 @@ class Rebasing:
 
     def run(self, keep: bool = False, check: bool = False, new: str = "1.2") -> int:
         request = Request(new, "demo", "1.1", keep=keep, python=sys.executable)
-        return rebase(self.demo.project, request, check=check, runner=self.tests, fetch=self.index)
+        report = ConsoleReporter()
+        return self.shown(rebase(self.demo.project, request, check, self.tests, self.index, report))
 
     def resume(self) -> int:
-        return rebase_continue(self.demo.project, self.tests)
+        return self.shown(rebase_continue(self.demo.project, self.tests, ConsoleReporter()))
 
     def abort(self) -> int:
-        return rebase_abort(self.demo.project, self.tests)
+        return self.shown(rebase_abort(self.demo.project, self.tests))
+
+    def shown(self, result: RebaseResult | Aborted) -> int:
+        """The result kept, and shown as `carry rebase` shows it."""
+        self.result = result
+        for line in text_lines(result, self.demo.root):
+            print(line)
+        return result.exit_code
+
+    def outcomes(self) -> list[tuple[str, str]]:
+        """(patch, outcome) of the last rebase's result."""
+        assert isinstance(self.result, RebaseResult)
+        return [(patch.filename, str(patch.outcome)) for patch in self.result.patches]
 
     @property
     def new_dir(self) -> Path:
@@ -177,16 +191,6 @@ def message(subject: str, tests: str, drop_when: str = "upstream fixes it", stat
     return patch_message(subject, status=status, tests=tests).replace(
         "Drop-When: upstream fixes it", f"Drop-When: {drop_when}"
     )
-
-
-def outcomes(out: str) -> list[tuple[str, str]]:
-    """(patch, outcome) from the `rebase: <patch>: <outcome>` progress lines."""
-    rows = []
-    for line in out.splitlines():
-        if line.startswith("rebase: 000"):
-            patch, outcome = line.removeprefix("rebase: ").split(": ", 1)
-            rows.append((patch, outcome.split(" ")[0]))
-    return rows
 
 
 def fingerprint(demo: DemoProject) -> dict[str, str]:
@@ -226,7 +230,7 @@ def test_clean_replay_pins_lays_down_exports_and_reports(
     capsys.readouterr()
     assert rebasing.run() == 0
     out = capsys.readouterr().out
-    assert outcomes(out) == [
+    assert rebasing.outcomes() == [
         ("0001-Fix-the-answer.patch", "clean"),
         ("0002-Fix-nine.patch", "clean"),
         ("0003-Upstream-has-the-value.patch", "applied-upstream"),
@@ -258,7 +262,7 @@ def test_three_way_merge_that_succeeds(demo: DemoProject, capsys: pytest.Capture
     rebasing = Rebasing(demo, core(("def f0():", "def f0() -> int:")))
     capsys.readouterr()
     assert rebasing.run() == 0
-    assert outcomes(capsys.readouterr().out)[:2] == [
+    assert rebasing.outcomes()[:2] == [
         ("0001-Fix-the-answer.patch", "3-way"),
         ("0002-Fix-nine.patch", "clean"),
     ]
@@ -273,7 +277,7 @@ def test_empty_patch_is_recorded_applied_upstream(
     rebasing = Rebasing(demo, core(FIX_NINE))
     capsys.readouterr()
     assert rebasing.run(keep=True) == 0
-    assert outcomes(capsys.readouterr().out)[1] == ("0002-Fix-nine.patch", "empty")
+    assert rebasing.outcomes()[1] == ("0002-Fix-nine.patch", "empty")
     assert rebasing.new_entries()[1] == ("Applied-Upstream", False)
     patch = (rebasing.new_dir / "0002-Fix-nine.patch").read_text()
     assert "its diff is already in the pristine 1.2 tree" in " ".join(patch.split())
@@ -303,7 +307,7 @@ def test_conflict_then_continue_with_the_resolution_staged(
     git(demo.checkout, "add", CORE)
     capsys.readouterr()
     assert rebasing.resume() == 0
-    assert outcomes(capsys.readouterr().out) == [
+    assert rebasing.outcomes() == [
         ("0001-Fix-the-answer.patch", "resolved"),
         ("0002-Fix-nine.patch", "clean"),
         ("0003-Upstream-has-the-value.patch", "applied-upstream"),
@@ -353,8 +357,8 @@ def test_entry_whose_tests_pass_on_the_new_pristine_becomes_applied_upstream(
     rebasing = Rebasing(demo, OLD_CORE + "def f9():\n    return 99\n", drop_when="rebased onto demo >= 1.2")
     capsys.readouterr()
     assert rebasing.run() == 0
-    out = capsys.readouterr().out
-    assert outcomes(out)[1] == ("0002-Fix-nine.patch", "upstream")
+    capsys.readouterr()
+    assert rebasing.outcomes()[1] == ("0002-Fix-nine.patch", "upstream")
     assert rebasing.new_entries() == [
         ("Pending", True),
         ("Applied-Upstream", False),
@@ -379,9 +383,12 @@ def test_keep_leaves_an_entry_fixed_upstream_as_a_diff(
     rebasing = Rebasing(demo, OLD_CORE + "def f9():\n    return 99\n")
     capsys.readouterr()
     # Kept, but then verify cannot prove it: its test passes without it.
-    with pytest.raises(CarryError, match=r"not proven: 0002-Fix-nine.patch WRONG \(expected fail -> pass\)"):
-        rebasing.run(keep=True)
-    assert outcomes(capsys.readouterr().out)[1] == ("0002-Fix-nine.patch", "clean")
+    assert rebasing.run(keep=True) == 1
+    assert isinstance(rebasing.result, RebaseResult)
+    assert re.search(
+        r"not proven: 0002-Fix-nine.patch WRONG \(expected fail -> pass\)", str(rebasing.result.problem())
+    )
+    assert rebasing.outcomes()[1] == ("0002-Fix-nine.patch", "clean")
     assert rebasing.new_entries()[1] == ("Pending", True)
     assert "its tests pass on the pristine 1.2 tree, but it was kept (--keep)" in rebasing.report()
 
@@ -393,7 +400,7 @@ def test_check_changes_nothing(demo: DemoProject, capsys: pytest.CaptureFixture[
     capsys.readouterr()
     assert rebasing.run(check=True) == 0
     out = capsys.readouterr().out
-    assert outcomes(out)[1] == ("0002-Fix-nine.patch", "upstream")
+    assert rebasing.outcomes()[1] == ("0002-Fix-nine.patch", "upstream")
     assert "verify green" in out
     assert fingerprint(demo) == before
     assert project_status(demo) == ""
@@ -405,9 +412,9 @@ def test_check_fails_naming_each_conflicting_patch(
 ) -> None:
     rebasing = Rebasing(demo, core(("return 41", "return 40"), ("return 9\n", "return 8\n")))
     before = fingerprint(demo)
-    with pytest.raises(CarryError) as failed:
-        rebasing.run(check=True)
-    message = str(failed.value)
+    assert rebasing.run(check=True) == 1
+    assert isinstance(rebasing.result, RebaseResult)
+    message = str(rebasing.result.problem())
     assert "0001-Fix-the-answer.patch conflicts (python/demo/core.py)" in message
     assert "0002-Fix-nine.patch conflicts (python/demo/core.py)" in message
     assert fingerprint(demo) == before
@@ -556,7 +563,7 @@ def test_check_after_the_rebase_and_beside_work_in_progress(
     assert rebasing.run(check=True) == 0
     out = capsys.readouterr().out
     assert "apply: demo 1.1: 3 patch(es) from patches/demo/1.1 on carry/1.1" in out
-    assert outcomes(out)[0] == ("0001-Fix-the-answer.patch", "3-way")
+    assert rebasing.outcomes()[0] == ("0001-Fix-the-answer.patch", "3-way")
     assert fingerprint(demo) == before
 
 
@@ -567,8 +574,9 @@ def test_check_after_a_rebase_with_a_conflict_takes_the_recorded_port(
     # records; without that line the same check names the conflict.
     rebasing = Rebasing(demo, core(("return 41", "return 40")))
     before = fingerprint(demo)
-    with pytest.raises(CarryError, match=r"0001-Fix-the-answer.patch conflicts \(python/demo/core.py\)"):
-        rebasing.run(check=True)
+    assert rebasing.run(check=True) == 1
+    assert isinstance(rebasing.result, RebaseResult)
+    assert "0001-Fix-the-answer.patch conflicts (python/demo/core.py)" in str(rebasing.result.problem())
     assert fingerprint(demo) == before
     with pytest.raises(CarryError):
         rebasing.run()
@@ -580,7 +588,7 @@ def test_check_after_a_rebase_with_a_conflict_takes_the_recorded_port(
     assert rebasing.run(check=True) == 0
     out = capsys.readouterr().out
     assert "patches/demo/1.2 exists: a patch that conflicts is tried in the form that line records" in out
-    assert outcomes(out)[0] == ("0001-Fix-the-answer.patch", "ported")
+    assert rebasing.outcomes()[0] == ("0001-Fix-the-answer.patch", "ported")
     assert fingerprint(demo) == before
 
 

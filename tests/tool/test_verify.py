@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from sglang_carry.errors import CarryError
+from sglang_carry.cli_render import problem, text_lines
 from sglang_carry.git import Git
 from sglang_carry.patching import export
+from sglang_carry.progress import SILENT, Recorder, Reporter
 from sglang_carry.runner import Completed
 from sglang_carry.verify import TreeTester, junit_cases, selects, verify, verify_target
 
@@ -61,17 +62,16 @@ def test_verdicts(demo: DemoProject) -> None:
     assert git(demo.checkout, "worktree", "list").stdout.count("\n") == 1
 
 
-def test_verify_exits_non_zero_and_prints_the_table(
-    demo: DemoProject, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_exits_non_zero_and_prints_the_table(demo: DemoProject) -> None:
     write_tests(demo)
     demo.fetch()
     demo.commit_change("python/demo/x.py", "X = 1\n", patch_message("Unproven", tests="tests/test_value.py"))
     export(demo.project, demo.target())
-    with pytest.raises(CarryError, match=r"1 of 1 series entries are not proven"):
-        verify(demo.project, [demo.target()], sys.executable, demo.pip)
-    out = capsys.readouterr().out
-    assert "0001-Unproven.patch" in out and "WRONG (expected fail -> pass)" in out
+    result = verify(demo.project, [demo.target()], sys.executable, demo.pip)
+    assert result.exit_code == 1
+    assert problem(result) == "1 of 1 series entries are not proven: see the table above"
+    [table] = text_lines(result, demo.root)
+    assert "0001-Unproven.patch" in table and "WRONG (expected fail -> pass)" in table
 
 
 def test_missing_test_id_is_an_error_not_a_failure(demo: DemoProject) -> None:
@@ -163,18 +163,19 @@ def test_each_tree_runs_once_with_every_id_it_needs(demo: DemoProject) -> None:
     ]
 
 
-def make_tester(demo: DemoProject, runner: Any, parallel: int = 1) -> tuple[TreeTester, list[str]]:
+def make_tester(
+    demo: DemoProject, runner: Any, parallel: int = 1, report: Reporter = SILENT
+) -> tuple[TreeTester, list[str]]:
     git_ = Git(demo.checkout)
     commits = [git_.out("rev-parse", "upstream/1.0"), *git_.commits("upstream/1.0", "HEAD")]
-    return TreeTester(demo.project, demo.target(), git_, sys.executable, runner, parallel), commits
+    return TreeTester(demo.project, demo.target(), git_, sys.executable, runner, parallel, report), commits
 
 
-def test_outcomes_per_id_and_a_missing_id_spoils_only_its_own_group(
-    demo: DemoProject, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_outcomes_per_id_and_a_missing_id_spoils_only_its_own_group(demo: DemoProject) -> None:
     two_fixes(demo)
     runner = CountingRunner(demo)
-    tester, commits = make_tester(demo, runner)
+    report = Recorder()
+    tester, commits = make_tester(demo, runner, report=report)
     try:
         tester.want(commits[1], ["tests/test_answer.py", "tests/test_value.py::test_value"])
         tester.want(commits[1], ["tests/test_value.py::test_nope"])
@@ -196,12 +197,10 @@ def test_outcomes_per_id_and_a_missing_id_spoils_only_its_own_group(
     # One run with the union, then one per group because pytest could not collect an id; then
     # one run on the pristine tree and one on the second fix.
     assert len(runner.pytest_runs) == 5
-    assert "verify: error at" in capsys.readouterr().err
+    assert "verify: error at" in report.warnings[0]
 
 
-def test_a_crashed_pytest_is_an_error_and_is_said(
-    demo: DemoProject, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_crashed_pytest_is_an_error_and_is_said(demo: DemoProject) -> None:
     two_fixes(demo)
 
     def crashing(args: Sequence[str], **kwargs: Any) -> Completed:
@@ -209,12 +208,13 @@ def test_a_crashed_pytest_is_an_error_and_is_said(
             return Completed(tuple(args), -11, "", "Fatal Python error: Segmentation fault")
         return demo.pip(args, **kwargs)
 
-    tester, commits = make_tester(demo, crashing)
+    report = Recorder()
+    tester, commits = make_tester(demo, crashing, report=report)
     try:
         assert tester.outcomes(commits[1], ["tests/test_answer.py"]) == {"tests/test_answer.py": "error"}
     finally:
         tester.close()
-    err = capsys.readouterr().err
+    [err] = report.warnings
     assert "pytest exited -11" in err and "Segmentation fault" in err
 
 

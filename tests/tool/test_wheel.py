@@ -305,7 +305,7 @@ def test_all_platforms_builds_every_pinned_file_downloading_only_the_pins(demo: 
     pin = demo.root / "upstream" / "demo.toml"
     pin.write_text(pin.read_text() + f'\n[[release.files]]\nfilename = "{other.name}"\nsha256 = "{digest}"\n')
     demo.pip.files["demo==1.0 manylinux_2_34_aarch64"] = other
-    assert wheel.build_all(demo.project, [demo.target()], demo.pip, all_platforms=True) == 0
+    assert wheel.build_all(demo.project, [demo.target()], demo.pip, all_platforms=True).exit_code == 0
     names = sorted(p.name for p in (demo.root / "dist").glob("*.whl"))
     assert names == [
         "demo-1.0+carry.1-cp312-cp312-manylinux_2_34_aarch64.whl",

@@ -1,5 +1,5 @@
-"""What `carry rebase` says about each patch: the outcome, what porting took, the evidence for a
-drop (also written into the entry's new message), and the report beside the new line."""
+"""What `carry rebase` says about each patch: what porting took, the evidence for a drop (also
+written into the entry's new message), and the report beside the new line."""
 
 from __future__ import annotations
 
@@ -8,55 +8,13 @@ import difflib
 import re
 import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from .series import APPLIED_UPSTREAM, Entry
-
-if TYPE_CHECKING:
-    from .rebase import State
-
-OUTCOME_MEANING = {
-    "clean": "applied as it was",
-    "3-way": "applied by git's 3-way merge",
-    "resolved": "conflicted; resolved by hand",
-    "ported": "conflicts; the port that the existing new line records applies (--check only)",
-    "conflict": "does not apply: conflicts",
-    "empty": "its diff is already upstream: recorded Applied-Upstream (no diff)",
-    "upstream": "its tests pass on the pristine new tree: recorded Applied-Upstream (no diff)",
-    "applied-upstream": "already Applied-Upstream on the old line",
-}
-
-
-@dataclass
-class PatchResult:
-    filename: str
-    subject: str
-    outcome: str
-    pristine: str
-    drop_when: list[str] = field(default_factory=list)
-    note: str = ""
-    change: str = ""
-    resolved_files: list[str] = field(default_factory=list)
-
-    def porting(self) -> str:
-        """What porting the patch took, in a few words."""
-        if self.outcome == "clean":
-            return "nothing"
-        if self.outcome == "3-way":
-            return f"git's 3-way merge; {self.change}"
-        if self.outcome == "resolved":
-            return f"resolved by hand in {', '.join(self.resolved_files)}; {self.change}"
-        if self.outcome == "ported":
-            return f"conflicts in {', '.join(self.resolved_files)}; the recorded port applies"
-        if self.outcome == "conflict":
-            return f"conflicts in {', '.join(self.resolved_files) or '?'}"
-        if self.outcome == "applied-upstream":
-            return "nothing (no diff)"
-        return "nothing: its diff dropped"
+from ..series import APPLIED_UPSTREAM, Entry
+from .journal import State
+from .outcome import Outcome, PatchResult
 
 
 def today() -> str:
@@ -170,7 +128,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def render_patch_table(results: Sequence[PatchResult]) -> str:
-    rows = [(r.filename, r.outcome, r.pristine, r.note or r.porting()) for r in results]
+    rows = [(r.filename, str(r.outcome or "-"), r.pristine, r.note or r.porting()) for r in results]
     return _table(("patch", "outcome", "tests on pristine", "porting / note"), rows)
 
 
@@ -197,25 +155,26 @@ def render_report(
     for index, result in enumerate(state.results):
         new_name = new_names[index] if index < len(new_names) else "-"
         porting = result.porting() + (f" ({result.note})" if result.note else "")
-        out.append(_markdown_row((result.filename, new_name, result.outcome, result.pristine, porting)))
-    out += ["", "Outcomes: " + "; ".join(f"**{k}** {v}" for k, v in OUTCOME_MEANING.items()) + ".", ""]
+        outcome = str(result.outcome or "-")
+        out.append(_markdown_row((result.filename, new_name, outcome, result.pristine, porting)))
+    out += ["", "Outcomes: " + "; ".join(f"**{o}** {o.meaning}" for o in Outcome) + ".", ""]
     out += ["## Drops", ""]
-    drops = [r for r in state.results if r.outcome in ("upstream", "empty")]
+    drops = [r for r in state.results if r.outcome is not None and r.outcome.dropped]
     for result in drops:
         why = (
             f"its tests pass on the pristine {new} tree"
-            if result.outcome == "upstream"
+            if result.outcome is Outcome.FIXED_UPSTREAM
             else f"its diff is already in {new} (its tests: {result.pristine} on pristine {new})"
         )
         out.append(f"- `{result.filename}` ({result.subject}): {why}; recorded Applied-Upstream, no diff.")
-    kept = [r for r in state.results if r.pristine == "pass" and r.outcome in ("clean", "3-way", "resolved")]
+    kept = [r for r in state.results if r.pristine == "pass" and r.outcome is not None and r.outcome.carried]
     for result in kept:
         out.append(
             f"- `{result.filename}`: its tests pass on the pristine {new} tree, but it was kept (--keep)."
         )
     if not drops and not kept:
         out.append(f"None: no entry's tests pass on the pristine {new} tree.")
-    regressed = [r for r in state.results if r.outcome == "applied-upstream" and r.pristine != "pass"]
+    regressed = [r for r in state.results if r.outcome is Outcome.APPLIED_UPSTREAM and r.pristine != "pass"]
     if regressed:
         out += ["", "**Upstream regressed?** These Applied-Upstream entries' tests do not pass on "
                 f"pristine {new}:", ""]  # fmt: skip
