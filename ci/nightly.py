@@ -4,16 +4,17 @@ and a canary that tries the series on the newest sglang release.
     ci/nightly [--no-gpu] [--out DIR] [--lines 0.5.20,...] [--no-canary]
 
 Maintained lines are the lines of `carry status --json` that have a series (or carry nothing on
-purpose). For each, in order: build (`./scripts/build NAME --upstream V`; the wheel's sha256 is
-recorded), verify (`carry verify`), cpu-tests (`carry apply` of that line, then pytest on
-tests/upstream/NAME against its tree), and for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a
-real server on CPU, one rank and two) and, where a CUDA device is present, gpu-tests (tests/gpu
-with CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs ruff, mypy and the
-tool's tests once (./scripts/test tests/tool). Then the canary asks the index
-`carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for the newest sglang release and, when it is
-newer than the newest sglang line, runs `carry rebase --check NEWEST sglang`, which names the
-first patch that stops applying. Each line's CPU tests run in its own test environment
-(ci/test-envs.toml), built first where it is missing.
+purpose). For each, in order: build (`carry fetch`, `carry apply`, then `carry build
+--all-platforms --json`: every pinned file of the line, each artifact's sha256 recorded from the
+build's result and the one for this interpreter used by the e2e), verify (`carry verify`),
+cpu-tests (`carry apply` of that line, then pytest on tests/upstream/NAME against its tree), and
+for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a real server on CPU, one rank and two) and,
+where a CUDA device is present, gpu-tests (tests/gpu with CARRY_REQUIRE_GPU=1) and e2e
+(ci/e2e/run_e2e.py). A "project" row runs ruff, mypy and the tool's tests once (./scripts/test
+tests/tool). Then the canary asks the index `carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for
+the newest sglang release and, when it is newer than the newest sglang line, runs `carry rebase
+--check NEWEST sglang`, which names the first patch that stops applying. Each line's CPU tests run
+in its own test environment (ci/test-envs.toml), built first where it is missing.
 
 Everything lands in one folder (default build/nightly/<UTC timestamp>/): summary.md and
 summary.json (line x step -> pass/fail/skipped with the reason, durations, wheel sha256), logs/
@@ -45,7 +46,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from packaging.version import Version  # noqa: E402
 
 from sglang_carry.errors import CarryError  # noqa: E402
-from sglang_carry.fetch import sha256_of  # noqa: E402
 from sglang_carry.project import Project  # noqa: E402
 from sglang_carry.registry import Fetcher, fetch_url, index_files, index_url, newest_version  # noqa: E402
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
@@ -116,6 +116,8 @@ class Nightly:
         self.out = options.out
         self.results: dict[str, dict[str, StepResult]] = {}
         self.wheels: dict[str, dict[str, str]] = {}
+        # Every artifact of every line (--all-platforms), as published in wheels/ and simple/.
+        self.artifacts: list[dict[str, str]] = []
         self.canary: dict[str, Any] = {}
         self.cuda: str | None = None  # why there is no usable CUDA device, or None
         self.lines: list[Line] = []
@@ -128,14 +130,30 @@ class Nightly:
         args: Sequence[str],
         env: Mapping[str, str] | None = None,
     ) -> tuple[StepResult, Completed]:
+        return self._chain(row, step, [args], env)
+
+    def _chain(
+        self,
+        row: str,
+        step: str,
+        commands: Sequence[Sequence[str]],
+        env: Mapping[str, str] | None = None,
+    ) -> tuple[StepResult, Completed]:
+        """One step made of commands run in order until one fails, in one log; the result is
+        that of the last command run."""
         log = Path("logs") / f"{row.replace(' ', '-')}-{step}.log"
         started = self.clock()
-        done = self.run_command(list(args), cwd=self.root, env=env)
+        parts = []
+        for args in commands:
+            done = self.run_command(list(args), cwd=self.root, env=env)
+            parts.append(
+                f"$ {' '.join(args)}\n(exit {done.returncode})\n\n"
+                f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+            )
+            if done.returncode != 0:
+                break
         seconds = self.clock() - started
-        (self.out / log).write_text(
-            f"$ {' '.join(args)}\n(exit {done.returncode}, {seconds:.1f} s)\n\n"
-            f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
-        )
+        (self.out / log).write_text(f"({seconds:.1f} s)\n\n" + "\n\n".join(parts))
         if done.returncode == 0:
             result = StepResult(PASS, seconds=seconds, log=str(log))
         else:
@@ -228,19 +246,18 @@ class Nightly:
 
     def run_line(self, line: Line, carry: str) -> None:
         row, versioned = line.key, [line.name, "--upstream", line.version]
-        build, done = self._step(row, "build", [str(self.root / "scripts" / "build"), *versioned])
+        # Every pinned file of the line (each Python and platform), as a team installs them.
+        build, done = self._chain(
+            row,
+            "build",
+            [
+                [carry, "fetch", *versioned],
+                [carry, "apply", *versioned],
+                [carry, "build", *versioned, "--all-platforms", "--json"],
+            ],
+        )
         if build.status == PASS:
-            built = self.root / last_line(done.stdout)
-            if built.is_file():
-                sha = sha256_of(built)
-                shutil.copy2(built, self.out / "wheels" / built.name)
-                self.wheels[row] = {"file": built.name, "sha256": sha}
-                build.details = dict(self.wheels[row])
-            else:
-                build.status, build.reason = (
-                    FAIL,
-                    f"the build printed no artifact path ({last_line(done.stdout)!r})",
-                )
+            self.keep_artifacts(row, build, done.stdout)
         self._step(row, "verify", [carry, "verify", *versioned])
         applied, _ = self._step(row, "apply", [carry, "apply", *versioned])
         self.results[row]["cpu-tests"] = self.results[row].pop("apply")
@@ -280,6 +297,23 @@ class Nightly:
                 str(e2e_out),
             ],
         )
+
+    def keep_artifacts(self, row: str, build: StepResult, printed: str) -> None:
+        """The build's artifacts (its --json result) copied into wheels/; the one for this
+        interpreter is the line's wheel, the one the e2e step installs."""
+        try:
+            artifacts = json.loads(printed)["artifacts"]
+            here = next(a for a in artifacts if a["for_this_interpreter"])
+        except (json.JSONDecodeError, KeyError, TypeError, StopIteration) as error:
+            build.status = FAIL
+            build.reason = f"`carry build --json` printed no artifact for this interpreter ({error!r})"
+            return
+        for artifact in artifacts:
+            built = Path(artifact["path"])
+            shutil.copy2(built, self.out / "wheels" / built.name)
+            self.artifacts.append({"line": row, "file": built.name, "sha256": artifact["sha256"]})
+        self.wheels[row] = {"file": Path(here["path"]).name, "sha256": here["sha256"]}
+        build.details = {**self.wheels[row], "artifacts": len(artifacts)}
 
     def _step_in_test_env(self, row: str, line: Line, step: str, args: Sequence[str]) -> None:
         """A step run by the line's own test environment's interpreter (built if missing)."""
@@ -344,6 +378,7 @@ class Nightly:
             "gpu": self.cuda or "present",
             "lines": {row: {s: asdict(r) for s, r in steps.items()} for row, steps in self.results.items()},
             "wheels": self.wheels,
+            "artifacts": self.artifacts,
             "canary": self.canary,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -369,7 +404,7 @@ class Nightly:
         for row, steps in self.results.items():
             out.append(f"| {row} | " + " | ".join(cell(steps.get(step)) for step in STEPS) + " |")
         out += ["", "| artifact | sha256 |", "| --- | --- |"]
-        out += [f"| {w['file']} | `{w['sha256']}` |" for w in self.wheels.values()]
+        out += [f"| {a['file']} | `{a['sha256']}` |" for a in self.artifacts]
         if (self.out / "simple" / "index.html").exists():
             out += [
                 "",

@@ -96,14 +96,28 @@ class FakeProject:
             return Completed(tuple(argv), 0, json.dumps(self.status), "")
         if tool == "carry" and argv[1] == "rebase" and not self.rebase:
             return Completed(tuple(argv), 2, "", "carry: error: invalid choice: 'rebase'")
-        if tool == "build":
-            name, version = argv[1], argv[3]
-            suffix = "tar.gz" if name == "kvcached" else "cp311-cp311-manylinux_2_34_x86_64.whl"
-            artifact = Path("dist") / f"{name}-{version}+carry.1-{suffix}"
-            (self.root / "dist").mkdir(exist_ok=True)
-            (self.root / artifact).write_bytes(f"{name} {version}".encode())
-            return Completed(tuple(argv), 0, f"{artifact}\n", "build: done\n")
+        if tool == "carry" and argv[1] == "build":
+            return Completed(tuple(argv), 0, json.dumps(self.build(argv[2], argv[4])), "build: done\n")
         return Completed(tuple(argv), 0, "ok\n", "")
+
+    def build(self, name: str, version: str) -> dict[str, Any]:
+        """What `carry build --all-platforms --json` prints: for sglang one wheel per Python, the
+        cp311 one for this interpreter."""
+        tags = (
+            ["tar.gz"]
+            if name == "kvcached"
+            else ["cp312-cp312-manylinux_2_34_x86_64.whl", "cp311-cp311-manylinux_2_34_x86_64.whl"]
+        )
+        artifacts = []
+        for tag in tags:
+            path = self.root / "dist" / f"{name}-{version}+carry.1-{tag}"
+            path.parent.mkdir(exist_ok=True)
+            content = f"{name} {version}" + ("" if "cp311" in tag or tag == "tar.gz" else f" {tag}")
+            path.write_bytes(content.encode())
+            sha = hashlib.sha256(content.encode()).hexdigest()
+            here = "cp312" not in tag
+            artifacts.append({"path": str(path), "sha256": sha, "for_this_interpreter": here})
+        return {"artifacts": artifacts}
 
     def commands(self, word: str) -> list[list[str]]:
         """The calls with ``word`` among their arguments, or as the name of the program or of
@@ -173,6 +187,14 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     # The night's wheels as a simple index, published with them.
     page = (tmp_path / "out" / "simple" / "sglang" / "index.html").read_text()
     assert f"{wheel['file']}#sha256={wheel['sha256']}" in page
+    # Every pinned file of the line is built and published, beside the one for this interpreter.
+    assert next(argv[1:] for argv in project.commands("build") if argv[1] == "build") == [
+        "build", "kvcached", "--upstream", "0.1.6", "--all-platforms", "--json"
+    ]  # fmt: skip
+    cp312 = "sglang-0.5.20+carry.1-cp312-cp312-manylinux_2_34_x86_64.whl"
+    assert (tmp_path / "out" / "wheels" / cp312).is_file() and cp312 in page
+    assert wheel["file"] == "sglang-0.5.20+carry.1-cp311-cp311-manylinux_2_34_x86_64.whl"
+    assert len(summary["artifacts"]) == 5 and f"| {cp312} |" in markdown
     assert line["build"]["seconds"] == 2 and (tmp_path / "out" / line["verify"]["log"]).is_file()
     # Every line is built and verified with its own --upstream; nvidia-smi is not even asked.
     assert project.commands("verify")[-1][-2:] == ["--upstream", "0.5.21"]
