@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from sglang_carry.build import artifact_name, build  # noqa: E402
 from sglang_carry.errors import CarryError  # noqa: E402
 from sglang_carry.fetch import fetch  # noqa: E402
 from sglang_carry.git import Git, summarize_git_output  # noqa: E402
@@ -36,7 +37,6 @@ from sglang_carry.pins import select_file  # noqa: E402
 from sglang_carry.project import Project, Target, select_targets  # noqa: E402
 from sglang_carry.series import Series  # noqa: E402
 from sglang_carry.testenv import env_for  # noqa: E402
-from sglang_carry.wheel import artifact_name, build  # noqa: E402
 
 LOAD_WAIT_TEST = "tests/upstream/sglang/test_unwind_waits_for_load.py"
 SERVER_DEPS = "carry-e2e-server"

@@ -19,8 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from sglang_carry import fetch, wheel  # noqa: E402
+from sglang_carry import fetch  # noqa: E402
+from sglang_carry.build import build  # noqa: E402
 from sglang_carry.errors import CarryError  # noqa: E402
+from sglang_carry.kinds import WHEEL  # noqa: E402
+from sglang_carry.kinds.wheel import tags_of  # noqa: E402
 from sglang_carry.pins import PinnedFile, Release  # noqa: E402
 from sglang_carry.project import Project, select_targets  # noqa: E402
 from sglang_carry.runner import run_subprocess  # noqa: E402
@@ -28,8 +31,8 @@ from sglang_carry.runner import run_subprocess  # noqa: E402
 
 def pinned_wheel(release: Release, python_tag: str, platform: str) -> PinnedFile:
     for pinned in release.files:
-        if pinned.is_wheel and any(
-            t.interpreter == python_tag and t.platform == platform for t in pinned.wheel_tags()
+        if pinned.kind is WHEEL and any(
+            t.interpreter == python_tag and t.platform == platform for t in tags_of(pinned.filename)
         ):
             return pinned
     raise CarryError(f"no pinned {release.name} {release.version} wheel for {python_tag} {platform}")
@@ -40,12 +43,7 @@ def build_for(root: Path, version: str, python_tag: str, platform: str) -> Path:
     [target] = select_targets(project, ["sglang"], version)
     pinned = pinned_wheel(target.release, python_tag, platform)
     fetch.download(project, target, pinned, run_subprocess)
-    chosen = wheel.select_file
-    wheel.select_file = lambda release: pinned  # the only difference from `carry build`
-    try:
-        return wheel.build(project, target)
-    finally:
-        wheel.select_file = chosen
+    return build(project, target, run_subprocess, pinned)  # the pinned file: the only difference
 
 
 def main(argv: list[str] | None = None) -> int:

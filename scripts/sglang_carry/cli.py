@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import __version__, leftovers
+from .build import build_all
 from .checkout_lock import Holder, hold
 from .cli_render import ConsoleReporter, as_json, problem, text_lines
 from .errors import CarryError
@@ -26,7 +27,6 @@ from .results import CommandResult
 from .simple_index import write_index
 from .status import status
 from .verify import verify
-from .wheel import build_all
 
 Results = list[CommandResult]
 Command = Callable[[Project, list[Target], argparse.Namespace, Reporter], Results]

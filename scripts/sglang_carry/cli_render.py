@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from .build import BuildResult
 from .fetch import FetchResult
 from .patching import Applied, Exported
 from .rebase import Aborted, RebaseResult
@@ -16,7 +17,6 @@ from .results import CommandResult, to_json
 from .simple_index import IndexResult
 from .status import StatusResult
 from .verify import VerifyResult, render_table
-from .wheel import BuildResult
 
 
 class ConsoleReporter:

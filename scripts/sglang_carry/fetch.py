@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import sys
-import tarfile
 import tempfile
-import urllib.request
-import zipfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import ClassVar
-
-from packaging.utils import parse_wheel_filename
 
 from .errors import CarryError
 from .git import PRISTINE_AUTHOR, Git
+from .kinds import Wanted, kind_of
 from .pins import PinnedFile, select_file
 from .progress import SILENT, Reporter, Stopwatch, megabytes
 from .project import Project, Target
@@ -68,31 +63,6 @@ def check_hash(path: Path, pinned: PinnedFile, what: str) -> None:
         )
 
 
-def pip_download_args(pinned: PinnedFile, dest: Path, name: str, version: str) -> list[str]:
-    """pip arguments that fetch exactly this wheel, whatever the running interpreter is."""
-    _, _, _, tags = parse_wheel_filename(pinned.filename)
-    tag = sorted(tags, key=str)[0]
-    return [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--platform",
-        tag.platform,
-        "--implementation",
-        tag.interpreter[:2],
-        "--python-version",
-        tag.interpreter[2:],
-        "--abi",
-        tag.abi,
-        "--dest",
-        str(dest),
-        f"{name}=={version}",
-    ]
-
-
 def download(
     project: Project, target: Target, pinned: PinnedFile, runner: Runner, report: Reporter = SILENT
 ) -> Path:
@@ -113,10 +83,10 @@ def download(
     with tempfile.TemporaryDirectory(dir=project.downloads_dir, prefix=".incoming-") as tmp:
         incoming = Path(tmp)
         report.step(f"fetch: downloading {pinned.filename}")
-        if pinned.is_wheel:
-            _pip_download(target, pinned, incoming, runner)
-        else:
-            _url_download(target, pinned, incoming, report)
+        wanted = Wanted(
+            target.name, target.version, pinned.filename, pinned.url, f"upstream/{target.name}.toml"
+        )
+        pinned.kind.download(wanted, incoming, runner, report)
         fetched = incoming / pinned.filename
         if not fetched.exists():
             found = ", ".join(p.name for p in incoming.iterdir()) or "nothing"
@@ -128,80 +98,11 @@ def download(
     return cached
 
 
-def _pip_download(target: Target, pinned: PinnedFile, incoming: Path, runner: Runner) -> None:
-    # On a terminal pip draws its own progress bar; elsewhere (CI logs) its output is kept for the
-    # error line instead.
-    interactive = sys.stderr.isatty()
-    args = pip_download_args(pinned, incoming, target.name, target.version)
-    result = runner(args, capture=not interactive)
-    if result.returncode != 0:
-        last = result.output.splitlines()[-1] if result.output else "pip's message is above"
-        if "No matching distribution" in result.output or "from versions: none" in result.output:
-            # pip reached its index, which has no such file: no network problem to look for.
-            raise CarryError(
-                f"pip found no {pinned.filename} on its index ({last}): check the pin's version and "
-                f"file name in upstream/{target.name}.toml, and which index pip uses (pip config list)"
-            )
-        raise CarryError(f"pip could not download {pinned.filename} ({last}): check the network and the pin")
-
-
-def _url_download(target: Target, pinned: PinnedFile, incoming: Path, report: Reporter) -> None:
-    if not pinned.url:
-        raise CarryError(f"{pinned.filename} has no url in upstream/{target.name}.toml: add one")
-    try:
-        with (
-            urllib.request.urlopen(pinned.url, timeout=120) as response,
-            (incoming / pinned.filename).open("wb") as out,
-        ):
-            total = int(response.headers.get("Content-Length") or 0)
-            done = 0
-            for block in iter(lambda: response.read(1 << 20), b""):
-                out.write(block)
-                done += len(block)
-                of_total = f" of {megabytes(total)}" if total else ""
-                report.meter(f"fetch: {pinned.filename}: {megabytes(done)}{of_total}")
-            report.meter(f"fetch: {pinned.filename}: {megabytes(done)}", done=True)
-    except OSError as exc:
-        raise CarryError(f"cannot download {pinned.url} ({exc}): check the network") from exc
-
-
 def extract_pristine(artifact: Path, tree: Path, source_subdir: str) -> None:
-    """Unpack an official wheel (minus its dist-info) or sdist (minus its top folder) into ``tree``."""
+    """Unpack an official artifact's sources into ``tree`` (under ``source_subdir``)."""
     root = tree / source_subdir if source_subdir else tree
     root.mkdir(parents=True, exist_ok=True)
-    if artifact.name.endswith(".whl"):
-        with zipfile.ZipFile(artifact) as wheel:
-            for info in wheel.infolist():
-                top = PurePosixPath(info.filename).parts[0]
-                if top.endswith(".dist-info") or info.is_dir():
-                    continue
-                destination = _inside(root, info.filename, artifact)
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                destination.write_bytes(wheel.read(info))
-                mode = (info.external_attr >> 16) & 0o777
-                if mode & 0o111:
-                    destination.chmod(0o755)
-        return
-    with tarfile.open(artifact) as sdist:
-        for member in sdist.getmembers():
-            parts = PurePosixPath(member.name).parts
-            if len(parts) < 2:
-                continue
-            member.name = str(PurePosixPath(*parts[1:]))
-            sdist.extract(member, root, filter="data")
-
-
-def _inside(root: Path, member: str, artifact: Path) -> Path:
-    """Where a zip member goes, refused if it would land outside ``root`` (what tarfile's
-    filter="data" does for the sdist branch)."""
-    relative = PurePosixPath(member)
-    destination = (root / relative).resolve()
-    if relative.is_absolute() or ".." in relative.parts or not destination.is_relative_to(root.resolve()):
-        raise CarryError(
-            f"{artifact.name} holds {member}, which would unpack outside the checkout: refusing it; "
-            "check the pin and the file"
-        )
-    return destination
+    kind_of(artifact.name).extract(artifact, root)
 
 
 def lay_checkout(

@@ -7,11 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.tags import Tag, sys_tags
-from packaging.utils import parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from .errors import CarryError
+from .kinds import ArtifactKind, describe_kinds, kind_of, kind_or_none
 from .pin_schema import (
     FILE_FIELDS,
     RELEASE_FIELDS,
@@ -32,11 +31,8 @@ class PinnedFile:
     url: str | None = None
 
     @property
-    def is_wheel(self) -> bool:
-        return self.filename.endswith(".whl")
-
-    def wheel_tags(self) -> frozenset[Tag]:
-        return parse_wheel_filename(self.filename)[3]
+    def kind(self) -> ArtifactKind:
+        return kind_of(self.filename)
 
 
 @dataclass(frozen=True)
@@ -82,18 +78,18 @@ class Upstream:
 
 
 def select_file(release: Release) -> PinnedFile:
-    """The artifact to use on this interpreter: a compatible wheel, else the sdist."""
-    wheels = [f for f in release.files if f.is_wheel]
-    if not wheels:
-        return release.files[0]
-    for tag in sys_tags():
-        for pinned in wheels:
-            if tag in pinned.wheel_tags():
-                return pinned
-    names = ", ".join(f.filename for f in wheels)
+    """The artifact to use on this interpreter: the wheel that fits it best, else the sdist."""
+    fits = [
+        (rank, pinned)
+        for pinned in release.files
+        if (rank := pinned.kind.fit_here(pinned.filename)) is not None
+    ]
+    if fits:
+        return min(fits, key=lambda fit: fit[0])[1]
+    names = ", ".join(f.filename for f in release.files)
     raise CarryError(
-        f"no pinned {release.name} {release.version} wheel fits this Python ({names}): "
-        f"pin one for this platform in upstream/{release.name}.toml"
+        f"no pinned {release.name} {release.version} file fits this Python ({names}): "
+        f"pin a wheel for this platform in upstream/{release.name}.toml"
     )
 
 
@@ -141,6 +137,10 @@ def _load_release(name: str, raw: Mapping[str, object], place: Place) -> Release
         where = place.inside(f"[[release.files]] {index}")
         check_fields(raw_file, FILE_FIELDS, where)
         filename = required_string(raw_file, "filename", where)
+        if kind_or_none(filename) is None:
+            raise where.error(
+                f"'{filename}' is none of the kinds of file the tool handles: {describe_kinds()}"
+            )
         sha256 = required_string(raw_file, "sha256", where)
         sha256 = sha256.lower()
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -14,18 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.tags import Tag
 from packaging.utils import (
-    InvalidSdistFilename,
-    InvalidWheelFilename,
     canonicalize_name,
-    parse_sdist_filename,
-    parse_wheel_filename,
 )
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from .errors import CarryError
 from .files import write_atomically
+from .kinds import parse_or_none
 from .pins import PinnedFile, Release
 
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -119,12 +114,8 @@ def index_files(name: str, index: str, fetch: Fetcher = fetch_url) -> list[Index
 
 
 def file_version(filename: str) -> Version | None:
-    try:
-        if filename.endswith(".whl"):
-            return parse_wheel_filename(filename)[1]
-        return parse_sdist_filename(filename)[1]
-    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
-        return None
+    parsed = parse_or_none(filename)
+    return None if parsed is None else parsed[1]
 
 
 def newest_version(name: str, files: Sequence[IndexFile]) -> Version | None:
@@ -137,43 +128,11 @@ def newest_version(name: str, files: Sequence[IndexFile]) -> Version | None:
     return max(versions) if versions else None
 
 
-_MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_(.+)$")
-
-
-def _platform_kind(platform: str) -> str:
-    """A wheel platform without its glibc version: a new release may raise manylinux_2_28 to 2_34."""
-    match = _MANYLINUX.match(platform)
-    return f"manylinux_*_{match.group(3)}" if match else platform
-
-
-def _wheel_kind(filename: str) -> frozenset[tuple[str, str, str]]:
-    tags: frozenset[Tag] = parse_wheel_filename(filename)[3]
-    return frozenset((t.interpreter, t.abi, _platform_kind(t.platform)) for t in tags)
-
-
-def _glibc(filename: str) -> tuple[int, int]:
-    """The oldest glibc the wheel needs; (0, 0) when it names none."""
-    found = [m for t in parse_wheel_filename(filename)[3] if (m := _MANYLINUX.match(t.platform))]
-    return min(((int(m.group(1)), int(m.group(2))) for m in found), default=(0, 0))
-
-
 def _matching(old: PinnedFile, candidates: Sequence[IndexFile]) -> IndexFile | None:
-    """The new release's file of the same kind as ``old``: the wheel for the same interpreter,
-    ABI and platform (the lowest glibc when several fit, as it runs on the most machines), or the
-    sdist."""
-    if old.is_wheel:
-        same_tags = [c for c in candidates if c.filename.endswith(".whl") and _tags(c) == old.wheel_tags()]
-        if same_tags:
-            return same_tags[0]
-        kind = _wheel_kind(old.filename)
-        fits = [c for c in candidates if c.filename.endswith(".whl") and _wheel_kind(c.filename) == kind]
-        return min(fits, key=lambda c: _glibc(c.filename)) if fits else None
-    suffix = ".zip" if old.filename.endswith(".zip") else ".tar.gz"
-    return next((c for c in candidates if c.filename.endswith(suffix)), None)
-
-
-def _tags(candidate: IndexFile) -> frozenset[Tag]:
-    return parse_wheel_filename(candidate.filename)[3]
+    """The new release's file of the same kind as ``old`` (kinds/: the same tags for a wheel)."""
+    by_name = {candidate.filename: candidate for candidate in candidates}
+    match = old.kind.counterpart(old.filename, list(by_name))
+    return None if match is None else by_name[match]
 
 
 def release_from_index(old: Release, version: str, files: Sequence[IndexFile], index: str) -> Release:

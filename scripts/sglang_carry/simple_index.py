@@ -14,15 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from packaging.utils import (
-    InvalidSdistFilename,
-    InvalidWheelFilename,
-    parse_sdist_filename,
-    parse_wheel_filename,
-)
-
 from .errors import CarryError
 from .files import replace_folder
+from .kinds import parse_or_none
 
 
 @dataclass(frozen=True)
@@ -45,13 +39,9 @@ class IndexResult:
 
 
 def artifact_project(filename: str) -> str | None:
-    """The canonical project a wheel or sdist filename belongs to (None: neither)."""
-    try:
-        if filename.endswith(".whl"):
-            return str(parse_wheel_filename(filename)[0])
-        return str(parse_sdist_filename(filename)[0])
-    except (InvalidWheelFilename, InvalidSdistFilename):
-        return None
+    """The canonical project a file of a known kind (kinds/) belongs to (None: none)."""
+    parsed = parse_or_none(filename)
+    return None if parsed is None else parsed[0]
 
 
 def _page(title: str, links: list[tuple[str, str]]) -> bytes:

@@ -109,11 +109,11 @@ import os, signal, sys
 from pathlib import Path
 from sglang_carry import files
 from sglang_carry.project import Project
-from sglang_carry.wheel import build
+from sglang_carry.build import build
 real_place = files.place
 def place_then_die(source, destination, mode=0o644):
     os.kill(os.getpid(), signal.SIGKILL)
-import sglang_carry.wheel as wheel
+import sglang_carry.build as wheel
 wheel.place = place_then_die
 project = Project(Path(sys.argv[1]))
 from sglang_carry.project import select_targets

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+from sglang_carry.build import build
 from sglang_carry.errors import CarryError
 from sglang_carry.patching import apply, export
 from sglang_carry.project import select_targets
 from sglang_carry.verify import verify
-from sglang_carry.wheel import build
 
 from .conftest import DEMO_FILES, DemoProject, git, patch_message
 

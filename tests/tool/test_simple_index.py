@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_carry.build import build
 from sglang_carry.patching import export
-from sglang_carry.wheel import build
 
 from .conftest import DemoProject, patch_message
 

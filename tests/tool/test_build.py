@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
-from sglang_carry import wheel
+from sglang_carry import build as wheel_build
+from sglang_carry.build import PROVENANCE_FILE, build
 from sglang_carry.errors import CarryError
+from sglang_carry.kinds import wheel as wheel_kind
+from sglang_carry.kinds.wheel import verify_wheel_record
 from sglang_carry.patching import apply, export
-from sglang_carry.wheel import PROVENANCE_FILE, build, verify_wheel_record
 
 from .conftest import DemoProject, git, patch_message
 
@@ -112,7 +114,7 @@ def test_failed_build_leaves_no_partial_file(demo: DemoProject, monkeypatch: pyt
         output.write_bytes(b"half a wheel")
         raise OSError("disk full")
 
-    monkeypatch.setattr(wheel, "write_wheel", broken)
+    monkeypatch.setattr(wheel_kind, "write_wheel", broken)
     with pytest.raises(OSError, match=r"disk full"):
         build(demo.project, demo.target())
     assert not (demo.root / "dist").exists() or list((demo.root / "dist").iterdir()) == []
@@ -284,14 +286,14 @@ def test_non_ascii_subject_is_decoded_in_the_provenance_record(demo: DemoProject
 def test_artifact_name_comes_from_the_file_name(tmp_path: Path) -> None:
     wheel_path = tmp_path / "sgl_kernel-0.5.20-cp311-cp311-manylinux_2_34_x86_64.whl"
     assert (
-        wheel.artifact_name(wheel_path, "0.5.20", "0.5.20+carry.2")
+        wheel_build.artifact_name(wheel_path, "0.5.20", "0.5.20+carry.2")
         == "sgl_kernel-0.5.20+carry.2-cp311-cp311-manylinux_2_34_x86_64.whl"
     )
-    assert wheel.artifact_name(tmp_path / "kvcached-0.1.6.tar.gz", "0.1.6", "0.1.6+carry.1") == (
+    assert wheel_build.artifact_name(tmp_path / "kvcached-0.1.6.tar.gz", "0.1.6", "0.1.6+carry.1") == (
         "kvcached-0.1.6+carry.1.tar.gz"
     )
     with pytest.raises(CarryError, match=r"is version 0.1.7, not the pinned 0.1.6"):
-        wheel.artifact_name(tmp_path / "kvcached-0.1.7.tar.gz", "0.1.6", "0.1.6+carry.1")
+        wheel_build.artifact_name(tmp_path / "kvcached-0.1.7.tar.gz", "0.1.6", "0.1.6+carry.1")
 
 
 def test_all_platforms_builds_every_pinned_file_downloading_only_the_pins(demo: DemoProject) -> None:
@@ -305,7 +307,7 @@ def test_all_platforms_builds_every_pinned_file_downloading_only_the_pins(demo: 
     pin = demo.root / "upstream" / "demo.toml"
     pin.write_text(pin.read_text() + f'\n[[release.files]]\nfilename = "{other.name}"\nsha256 = "{digest}"\n')
     demo.pip.files["demo==1.0 manylinux_2_34_aarch64"] = other
-    assert wheel.build_all(demo.project, [demo.target()], demo.pip, all_platforms=True).exit_code == 0
+    assert wheel_build.build_all(demo.project, [demo.target()], demo.pip, all_platforms=True).exit_code == 0
     names = sorted(p.name for p in (demo.root / "dist").glob("*.whl"))
     assert names == [
         "demo-1.0+carry.1-cp312-cp312-manylinux_2_34_aarch64.whl",
@@ -327,7 +329,7 @@ def test_a_full_build_folder_names_the_file(
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(wheel, "write_wheel", full)
+    monkeypatch.setattr(wheel_kind, "write_wheel", full)
     assert demo.carry("build", "demo") == 1
     [line] = capsys.readouterr().err.strip().splitlines()
     assert (
