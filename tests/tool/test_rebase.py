@@ -94,21 +94,23 @@ class FakeTests:
             if any(test not in RULES for test in ids):
                 return Completed(tuple(args), 4, "", "ERROR: file or directory not found")
             outcomes = {test: RULES[test](tree) for test in ids}
-            report = next((arg.split("=", 1)[1] for arg in args if arg.startswith("--junitxml=")), None)
+            report = next((arg.split("=", 1)[1] for arg in args if arg.startswith("--report-log=")), None)
             if report is not None:
-                write_junit_report(Path(report), outcomes)
+                write_report_log(Path(report), outcomes)
             return Completed(tuple(args), 0 if all(outcomes.values()) else 1, "", "")
         return self.demo.pip(args, cwd=cwd, env=env, stdin=stdin, capture=capture)
 
 
-def write_junit_report(path: Path, outcomes: Mapping[str, bool]) -> None:
-    """A pytest ``junit_family=xunit1`` report: one case per test file, as pytest writes it."""
-    cases = []
-    for test, passed in outcomes.items():
-        module = test.removesuffix(".py").replace("/", ".")
-        failure = "" if passed else '<failure message="assert False" />'
-        cases.append(f'<testcase classname="{module}" name="test" file="{test}">{failure}</testcase>')
-    path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+def write_report_log(path: Path, outcomes: Mapping[str, bool]) -> None:
+    """A pytest-reportlog file: one test per test file here."""
+    lines = [
+        json.dumps(
+            {"$report_type": "TestReport", "nodeid": f"{test}::test", "when": "call", "outcome": outcome}
+        )
+        for test, passed in outcomes.items()
+        for outcome in ["passed" if passed else "failed"]
+    ]
+    path.write_text("".join(line + "\n" for line in lines))
 
 
 class FakeIndex:

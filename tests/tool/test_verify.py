@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,7 @@ from sglang_carry.git import Git
 from sglang_carry.patching import export
 from sglang_carry.progress import SILENT, Recorder, Reporter
 from sglang_carry.runner import Completed
-from sglang_carry.verify import TreeTester, junit_cases, selects, verify, verify_target
+from sglang_carry.verify import TreeTester, report_log_cases, selects, verify, verify_target
 
 from .conftest import DemoProject, git, patch_message
 
@@ -230,7 +231,7 @@ def test_a_slot_moved_to_the_next_commit_keeps_no_bytecode_of_a_changed_file(dem
         assert list(cache.glob("core.*.pyc"))
         assert tester.outcome(commits[1], ["tests/test_answer.py"]) == "pass"
         assert list(cache.glob("core.*.pyc")) and list(cache.glob("__init__.*.pyc"))
-        tester.tree(slot, commits[2])
+        tester.pool.tree(slot, commits[2])
         assert not list(cache.glob("__init__.*.pyc")) and list(cache.glob("core.*.pyc"))
     finally:
         tester.close()
@@ -243,30 +244,36 @@ def test_native_sources_key_follows_only_native_sources(demo: DemoProject) -> No
     demo.commit_change("python/demo/ext.cpp", "int f() { return 2; }\n", patch_message("Native again"))
     tester, commits = make_tester(demo, demo.pip)
     try:
-        keys = [tester.native_sources_key(commit) for commit in commits]
+        keys = [tester.pool.native_sources_key(commit) for commit in commits]
     finally:
         tester.close()
     assert keys[0] == keys[1] == keys[2] != keys[3] == keys[4] != keys[5]
 
 
-def test_junit_report_to_node_ids(tmp_path: Path) -> None:
-    report = tmp_path / "report.xml"
-    report.write_text(
-        '<testsuites><testsuite name="pytest">'
-        '<testcase classname="tests.t" name="test_a[1]" file="tests/t.py" />'
-        '<testcase classname="tests.t" name="test_a[2]" file="tests/t.py"><failure message="x"/></testcase>'
-        '<testcase classname="tests.t.TestC" name="test_m" file="tests/t.py" />'
-        '<testcase classname="tests.t" name="test_s" file="tests/t.py"><skipped message="gpu"/></testcase>'
-        '<testcase classname="tests.t" name="test_e" file="tests/t.py"><error message="fixture"/></testcase>'
-        '<testcase classname="" name="tests.broken"><error message="collection failure"/></testcase>'
-        "</testsuite></testsuites>"
-    )
-    assert junit_cases(report) == {
+def test_report_log_to_node_ids(tmp_path: Path) -> None:
+    def test(nodeid: str, when: str, outcome: str) -> str:
+        return json.dumps({"$report_type": "TestReport", "nodeid": nodeid, "when": when, "outcome": outcome})
+
+    report = tmp_path / "report.jsonl"
+    lines = [
+        json.dumps({"$report_type": "SessionStart", "pytest_version": "9.2.0"}),
+        test("tests/t.py::test_a[1]", "call", "passed"),
+        test("tests/t.py::test_a[2]", "call", "failed"),
+        test("tests/t.py::TestC::test_m", "call", "passed"),
+        test("tests/t.py::test_s", "setup", "skipped"),
+        test("tests/t.py::test_e", "setup", "failed"),
+        test("tests/t.py::test_t", "call", "passed"),
+        test("tests/t.py::test_t", "teardown", "failed"),
+        json.dumps({"$report_type": "CollectReport", "nodeid": "tests/broken.py", "outcome": "failed"}),
+    ]
+    report.write_text("\n".join(lines) + "\n")
+    assert report_log_cases(report) == {
         "tests/t.py::test_a[1]": "pass",
         "tests/t.py::test_a[2]": "fail",
         "tests/t.py::TestC::test_m": "pass",
         "tests/t.py::test_s": "pass",
         "tests/t.py::test_e": "fail",
+        "tests/t.py::test_t": "fail",
     }
     assert selects("tests/t.py::test_a", "tests/t.py::test_a[1]")
     assert not selects("tests/t.py::test_a", "tests/t.py::test_ab")
@@ -274,7 +281,7 @@ def test_junit_report_to_node_ids(tmp_path: Path) -> None:
     assert selects("tests/t.py::TestC", "tests/t.py::TestC::test_m")
     assert not selects("tests/t", "tests/t.py::test_s")
     with pytest.raises(ValueError, match="no readable test report"):
-        junit_cases(tmp_path / "missing.xml")
+        report_log_cases(tmp_path / "missing.jsonl")
 
 
 def test_without_a_report_the_exit_code_decides_per_group(demo: DemoProject) -> None:

@@ -163,7 +163,7 @@ def entry_outcomes(tester: TreeTester, commit: str, entries: Sequence[Entry]) ->
     """Each entry's outcome at ``commit``: pass only if all its test ids pass, in one pytest run."""
     ids = list(dict.fromkeys(test for entry in entries for test in entry.tests))
     per_id = tester.outcomes(commit, ids)
-    combined = {}
+    combined: dict[str, str] = {}
     for entry in entries:
         found = [per_id.get(test, ERROR) for test in entry.tests]
         combined[entry.filename] = ERROR if ERROR in found else (PASS if set(found) == {PASS} else FAIL)
