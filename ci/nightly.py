@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import enum
 import json
 import os
 import shutil
@@ -50,15 +51,24 @@ from sglang_carry.project import Project  # noqa: E402
 from sglang_carry.registry import Fetcher, fetch_url, index_files, index_url, newest_version  # noqa: E402
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
 from sglang_carry.simple_index import write_index  # noqa: E402
+from sglang_carry.status import MAINTAINED, SeriesState  # noqa: E402
 from sglang_carry.testenv import test_envs  # noqa: E402
 
 STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e")
-PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
+
+
+class StepStatus(enum.StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIPPED = "skipped"
+
+
+PASS, FAIL, SKIPPED = StepStatus.PASS, StepStatus.FAIL, StepStatus.SKIPPED
 
 
 @dataclass
 class StepResult:
-    status: str  # pass | fail | skipped
+    status: StepStatus
     reason: str = ""
     seconds: float = 0.0
     log: str = ""  # path relative to the output folder
@@ -173,11 +183,16 @@ class Nightly:
         except json.JSONDecodeError as error:
             raise SystemExit(f"nightly: error: `carry status --json` printed no JSON ({error})") from None
         lines = []
-        for record in status.get("lines", []):
-            series = record.get("series") or {}
-            if series.get("state") not in ("recorded", "carries-nothing", "edited"):
-                continue
-            lines.append(Line(record["name"], record["version"], record.get("test_env")))
+        for record in status["lines"]:
+            try:
+                state = SeriesState(record["series"]["state"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise SystemExit(
+                    f"nightly: error: `carry status --json` printed a line this nightly cannot read "
+                    f"({error!r}); see ci/schemas/status.schema.json"
+                ) from None
+            if state in MAINTAINED:
+                lines.append(Line(record["name"], record["version"], record.get("test_env")))
         return lines
 
     def detect_cuda(self) -> str | None:

@@ -37,11 +37,11 @@ def find(project: Project) -> list[Leftover]:
     """Every file or folder here that only a command killed part-way leaves."""
     scratch, downloads = project.scratch_dir, project.downloads_dir
     candidates = [
-        *scratch.glob("tmp*"),  # a wheel being built, and its unpacked tree (wheel.py)
+        *scratch.glob("tmp*"),  # a wheel being built, and its unpacked tree (build.py)
         *scratch.glob("export-*"),  # a branch being exported (patching.py)
         *scratch.glob("compare-*"),  # a branch being compared with its series (patching.py)
         *scratch.glob("pristine-*"),  # a pristine tree being laid down (fetch.py)
-        *scratch.glob("mailinfo-*"),  # a patch being read (rebase.py)
+        *scratch.glob("mailinfo-*"),  # a patch being read (rebase/replay.py)
         *scratch.glob("rebase-check-*"),  # a scratch copy of `carry rebase --check`
         *downloads.glob(".incoming-*"),  # a download (fetch.py)
         *project.patches_dir.glob(f"*/.*{INCOMING_SUFFIX}"),  # a series folder being replaced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,29 @@ _BRANCH_TEXT = {
     DIFFERS: "DIFFERS from patches/ (`carry export` keeps the branch, `carry apply` the files)",
     NOT_DESCENDING: "does NOT descend from its upstream tag (rebase it, or `carry apply`)",
 }
+
+
+class DownloadState(enum.StrEnum):
+    MISSING = "missing"
+    OK = "ok"
+    WRONG_SHA256 = "wrong-sha256"
+
+
+class SeriesState(enum.StrEnum):
+    BROKEN = "broken"  # unreadable: a missing or corrupt patch, a bad series file
+    CARRIES_NOTHING = "carries-nothing"  # on purpose (carries-nothing names why)
+    NONE = "none"  # no series yet
+    RECORDED = "recorded"  # as `carry export` wrote it
+    EDITED = "edited"  # changed by hand since its revision was recorded
+
+
+class CheckoutPresence(enum.StrEnum):
+    MISSING = "missing"
+    PRESENT = "present"
+
+
+# A line's series is maintained (built, verified, tested by the nightly) in these states.
+MAINTAINED = frozenset({SeriesState.RECORDED, SeriesState.CARRIES_NOTHING, SeriesState.EDITED})
 
 
 @dataclass
@@ -62,12 +86,12 @@ def _describe_download(project: Project, target: Target, line: LineStatus) -> No
         return
     cached = project.downloads_dir / pinned.filename
     if not cached.exists():
-        download, shown = "missing", f"not fetched ({_fetch_hint(target)} fetches it)"
+        download, shown = DownloadState.MISSING, f"not fetched ({_fetch_hint(target)} fetches it)"
     elif sha256_of(cached) == pinned.sha256:
-        download, shown = "ok", "fetched, sha256 ok"
+        download, shown = DownloadState.OK, "fetched, sha256 ok"
     else:
         download, shown = (
-            "wrong-sha256",
+            DownloadState.WRONG_SHA256,
             f"fetched with the WRONG sha256 ({_fetch_hint(target)} downloads it again)",
         )
         line.problems.append(f"{pinned.filename} in {project.downloads_dir.name}/ does not match its pin")
@@ -85,25 +109,25 @@ def _describe_series(project: Project, target: Target, runner: Runner, line: Lin
     try:
         series = project.series(target.release, runner)
     except CarryError as exc:
-        line.record["series"] = {"path": label, "state": "broken", "error": str(exc)}
+        line.record["series"] = {"path": label, "state": SeriesState.BROKEN, "error": str(exc)}
         line.lines.append(f"  series    BROKEN: {exc}")
         line.problems.append(f"{label} is broken")
         return None
     if series.carries_nothing is not None:
-        state, shown = "carries-nothing", f"carries nothing on purpose ({series.carries_nothing})"
+        state, shown = SeriesState.CARRIES_NOTHING, f"carries nothing on purpose ({series.carries_nothing})"
     elif not series.entries:
-        state, shown = "none", "no series yet (build and verify refuse this line)"
+        state, shown = SeriesState.NONE, "no series yet (build and verify refuse this line)"
     elif series.revision_is_current():
-        state, shown = "recorded", f"{_entries(series)}, revision {series.revision} recorded"
+        state, shown = SeriesState.RECORDED, f"{_entries(series)}, revision {series.revision} recorded"
     elif (recorded := series.revision_changed_by_hand()) is not None:
-        state = "edited"
+        state = SeriesState.EDITED
         shown = (
             f"{_entries(series)}, revision CHANGED by hand to {series.revision} "
             f"(recorded: {recorded}; `git checkout -- {label}/revision` restores it)"
         )
         line.problems.append(f"{label}/revision was changed by hand from {recorded} to {series.revision}")
     else:
-        state = "edited"
+        state = SeriesState.EDITED
         shown = f"{_entries(series)}, EDITED by hand since revision {series.revision} (see README)"
         line.problems.append(f"{label} was edited by hand since its revision was recorded")
     line.record["series"] = {
@@ -127,7 +151,7 @@ def _describe_checkout(
 ) -> None:
     git = Git(project.checkout(target.name), runner)
     if not git.exists() or git.rev(target.upstream_tag) is None:
-        line.record["checkout"] = {"state": "missing"}
+        line.record["checkout"] = {"state": CheckoutPresence.MISSING}
         line.lines.append(f"  checkout  missing (run {_fetch_hint(target)})")
         return
     head = git.current_branch() or "detached HEAD"
@@ -145,7 +169,7 @@ def _describe_checkout(
         elif branch == NOT_DESCENDING:
             line.problems.append(f"{target.branch} does not descend from {target.upstream_tag}")
     line.record["checkout"] = {
-        "state": "present",
+        "state": CheckoutPresence.PRESENT,
         "head": head,
         "uncommitted": dirty,
         "operation": operation.name if operation else None,

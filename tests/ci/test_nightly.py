@@ -10,12 +10,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from sglang_carry.errors import CarryError
 from sglang_carry.runner import Completed
 
 ROOT = Path(__file__).resolve().parents[2]
+SUMMARY_SCHEMA = ROOT / "ci" / "schemas" / "nightly-summary.schema.json"
 _spec = importlib.util.spec_from_file_location("carry_nightly", ROOT / "ci" / "nightly.py")
 assert _spec is not None and _spec.loader is not None
 nightly = importlib.util.module_from_spec(_spec)
@@ -28,7 +30,7 @@ STATUS = {
         {"name": "kvcached", "version": "0.1.6", "series": {"state": "recorded"}},
         {"name": "sglang", "version": "0.5.20", "series": {"state": "recorded"}},
         {"name": "sglang", "version": "0.5.21", "series": {"state": "recorded"}, "test_env": "t521"},
-        {"name": "sglang", "version": "0.5.22", "series": {"state": "absent"}},  # pinned, not ported
+        {"name": "sglang", "version": "0.5.22", "series": {"state": "none"}},  # pinned, not ported
     ],
 }
 
@@ -153,7 +155,9 @@ def run(
     code = runner.run()
     if not options.get("no_canary"):
         assert fetched == ["https://pypi.org/simple/sglang/"]
-    return code, json.loads((out / "summary.json").read_text()), (out / "summary.md").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    jsonschema.validate(summary, json.loads(SUMMARY_SCHEMA.read_text()))
+    return code, summary, (out / "summary.md").read_text()
 
 
 def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
@@ -227,7 +231,7 @@ def test_line_test_environment_is_used_when_built(tmp_path: Path) -> None:
 
 def test_a_line_naming_an_unknown_test_environment_fails_its_cpu_tests(tmp_path: Path) -> None:
     project = FakeProject(tmp_path)
-    lines = [dict(line) for line in STATUS["lines"]]
+    lines = [dict(line) for line in project.status["lines"]]
     lines[2]["test_env"] = "torch9"
     project.status = {**STATUS, "lines": lines}
     code, summary, _ = run(tmp_path, project, simple_index("0.5.21"), no_gpu=True)
