@@ -14,36 +14,24 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 import venv
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TABLE = ROOT / "ci" / "test-envs.toml"
+# The table's reader is the tool's own, which needs nothing beyond the standard library.
+sys.path.insert(0, str(ROOT / "scripts"))
+from sglang_carry.env_table import ENV_TABLE, TestEnv, read_env_table  # noqa: E402
+from sglang_carry.errors import CarryError  # noqa: E402
+
+TABLE = ROOT / ENV_TABLE
 STAMP = ".carry-test-env"
 
 
-@dataclass(frozen=True)
-class TestEnv:
-    name: str
-    lock: Path
-    venv: Path
-    shims: tuple[Path, ...]
-
-
 def load_envs() -> tuple[str, dict[str, TestEnv]]:
-    data = tomllib.loads(TABLE.read_text())
-    envs = {
-        name: TestEnv(
-            name,
-            ROOT / spec["lock"],
-            ROOT / spec["venv"],
-            tuple(ROOT / shim for shim in spec.get("shims", [])),
-        )
-        for name, spec in data["envs"].items()
-    }
-    return data["default"], envs
+    try:
+        return read_env_table(ROOT)
+    except CarryError as exc:
+        raise SystemExit(f"test-env: error: {exc}") from None
 
 
 def inputs_digest(env: TestEnv) -> str:

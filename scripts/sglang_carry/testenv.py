@@ -8,53 +8,21 @@ upstream tests (without it: every run for a package's default line, nightly for 
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 
+from .env_table import ENV_TABLE, TestEnv, read_env_table
 from .errors import CarryError
 from .pins import Release
 from .project import Project, Target, default_target
 
-ENV_TABLE = Path("ci") / "test-envs.toml"
+__all__ = ["ENV_TABLE", "TestEnv", "ci_runs", "env_for", "test_envs", "test_python"]
+
 EVERY, NIGHTLY = "every", "nightly"
-
-
-@dataclass(frozen=True)
-class TestEnv:
-    name: str
-    venv: Path
-    # What a real sglang server needs beyond the environment (the e2e's CPU servers), if any.
-    e2e_server_lock: Path | None = None
-
-    @property
-    def python(self) -> Path:
-        return self.venv / "bin" / "python"
-
-    @property
-    def build_command(self) -> str:
-        return f"python3 scripts/test_env.py {self.name}"
 
 
 def test_envs(project: Project) -> tuple[str, dict[str, TestEnv]]:
     """The default environment's name and every environment, from ci/test-envs.toml."""
-    path = project.root / ENV_TABLE
-    try:
-        data = tomllib.loads(path.read_text())
-        default, table = data["default"], data["envs"]
-        envs = {
-            name: TestEnv(
-                name,
-                project.root / spec["venv"],
-                project.root / spec["e2e_server_lock"] if "e2e_server_lock" in spec else None,
-            )
-            for name, spec in table.items()
-        }
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
-        raise CarryError(f"{path}: cannot read the test environments ({exc!r})") from exc
-    if default not in envs:
-        raise CarryError(f"{path}: the default environment '{default}' is not among [envs]")
-    return default, envs
+    return read_env_table(project.root)
 
 
 def env_for(project: Project, release: Release) -> TestEnv:
