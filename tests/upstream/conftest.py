@@ -13,12 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from sglang_carry.project import Project
+from sglang_carry.verify import tree_env_var
+
 ROOT = Path(__file__).resolve().parents[2]
-TREES = {"sglang": "upstream/sglang/python", "kvcached": "upstream/kvcached"}
+# Each pinned package's tree: its checkout and the folder the package's code is in (the pins say).
+PROJECT = Project(ROOT)
+TREES = {name: PROJECT.checkout(name) / upstream.source_subdir for name, upstream in PROJECT.pins().items()}
 
 
 def upstream_tree(name: str) -> Path:
-    return Path(os.environ.get(f"CARRY_TREE_{name.upper()}", ROOT / TREES[name])).resolve()
+    return Path(os.environ.get(tree_env_var(name), TREES[name])).resolve()
 
 
 for _name in TREES:
