@@ -22,6 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import NormalizedName, canonicalize_name, parse_wheel_filename
+from packaging.version import Version
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -74,6 +78,13 @@ def download(requirement: str, dest: Path) -> Path:
         return Path(shutil.move(str(wheel), dest / wheel.name))
 
 
+def _pinned(requirement: str) -> tuple[NormalizedName, Version]:
+    """``name==version`` as packaging compares wheel names: canonical name, parsed version."""
+    parsed = Requirement(requirement)
+    [specifier] = parsed.specifier
+    return canonicalize_name(parsed.name), Version(specifier.version)
+
+
 def pack(
     sglang_wheel: Path, wanted: list[str], out: Path, budget: int, fetch: object = download
 ) -> dict[str, object]:
@@ -90,11 +101,11 @@ def pack(
         raise SystemExit(f"prepare: error: {sglang_wheel.name} alone is {used} bytes, over the budget")
     left_out = []
     for requirement in wanted:
-        name = requirement.split("==")[0].replace("-", "_").lower()
+        wanted_name, wanted_version = _pinned(requirement)
         cached = [
             w
             for w in cache.glob("*.whl")
-            if w.name.lower().startswith(f"{name}-{requirement.split('==')[1]}-")
+            if parse_wheel_filename(w.name)[:2] == (wanted_name, wanted_version)
         ]
         wheel = cached[0] if cached else fetch(requirement, cache)  # type: ignore[operator]
         size = wheel.stat().st_size
