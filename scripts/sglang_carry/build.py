@@ -18,7 +18,7 @@ from .fetch import check_hash, download, sha256_of
 from .files import naming, place
 from .git import Git
 from .kinds import PROVENANCE_FILE, Changes, Repack, kind_of
-from .patching import require_line_ready
+from .line_state import require_line_ready
 from .pins import PinnedFile, select_file
 from .progress import SILENT, Reporter, Stopwatch
 from .project import Project, Target

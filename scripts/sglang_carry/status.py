@@ -11,7 +11,7 @@ from .checkout_lock import working
 from .errors import CarryError
 from .fetch import sha256_of
 from .git import Git
-from .patching import DIFFERS, MATCHES, MISSING, NOT_DESCENDING, BranchState, branch_state
+from .line_state import DIFFERS, MATCHES, MISSING, NOT_DESCENDING, BranchState, branch_state
 from .pins import select_file
 from .progress import SILENT, Reporter
 from .project import Project, Target

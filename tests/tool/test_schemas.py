@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sglang_carry.patching import BranchState
+from sglang_carry.line_state import BranchState
 from sglang_carry.status import CheckoutPresence, DownloadState, SeriesState
 
 from .conftest import DemoProject, git, patch_message

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import CarryError
 from ..git import Git, summarize_git_output
-from ..patching import require_clean, require_line_ready, require_no_operation
+from ..line_state import require_clean, require_line_ready, require_no_operation
 from ..progress import SILENT, Reporter
 from ..project import Project, Target, default_target
 from ..registry import Fetcher, append_release, fetch_url, index_files, index_url, newest_version

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..patching import require_line_ready
+from ..line_state import require_line_ready
 from ..progress import SILENT, Reporter
 from ..project import Project, Target
 from ..runner import Runner, run_subprocess
