@@ -52,6 +52,7 @@ from sglang_carry.registry import Fetcher, fetch_url, index_files, index_url, ne
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
 from sglang_carry.simple_index import write_index  # noqa: E402
 from sglang_carry.status import MAINTAINED, SeriesState  # noqa: E402
+from sglang_carry.tables import markdown_table  # noqa: E402
 from sglang_carry.testenv import test_envs  # noqa: E402
 
 STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e")
@@ -403,23 +404,25 @@ class Nightly:
         def cell(result: StepResult | None) -> str:
             if result is None:
                 return ""
-            text = result.status
+            text = str(result.status)
             if result.status != SKIPPED:
                 text += f" ({result.seconds:.0f} s)"
             if result.reason:
                 text += f": {result.reason}"
-            return text.replace("|", "\\|")
+            return text
 
         out = [
             f"# Nightly ({seconds:.0f} s; GPU: {self.cuda or 'present'})",
             "",
-            "| line | " + " | ".join(STEPS) + " |",
-            "| --- |" + " --- |" * len(STEPS),
+            *markdown_table(
+                ("line", *STEPS),
+                [(row, *(cell(steps.get(step)) for step in STEPS)) for row, steps in self.results.items()],
+            ),
+            "",
+            *markdown_table(
+                ("artifact", "sha256"), [(a["file"], f"`{a['sha256']}`") for a in self.artifacts]
+            ),
         ]
-        for row, steps in self.results.items():
-            out.append(f"| {row} | " + " | ".join(cell(steps.get(step)) for step in STEPS) + " |")
-        out += ["", "| artifact | sha256 |", "| --- | --- |"]
-        out += [f"| {a['file']} | `{a['sha256']}` |" for a in self.artifacts]
         if (self.out / "simple" / "index.html").exists():
             out += [
                 "",

@@ -13,6 +13,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from ..series import APPLIED_UPSTREAM, Entry
+from ..tables import markdown_row, text_table
 from .journal import State
 from .outcome import Outcome, PatchResult
 
@@ -119,21 +120,9 @@ def porting_change(old_patch: str, new_diff: str) -> str:
 # --- tables and the report ---
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    cells = [list(header), *[list(row) for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def render_patch_table(results: Sequence[PatchResult]) -> str:
     rows = [(r.filename, str(r.outcome or "-"), r.pristine, r.note or r.porting()) for r in results]
-    return _table(("patch", "outcome", "tests on pristine", "porting / note"), rows)
-
-
-def _markdown_row(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+    return text_table(("patch", "outcome", "tests on pristine", "porting / note"), rows)
 
 
 def render_report(
@@ -147,16 +136,16 @@ def render_report(
         "",
         "## Per patch",
         "",
-        _markdown_row(
+        markdown_row(
             ("old patch", "new patch", "outcome", f"its tests on pristine {new}", "what porting took")
         ),
-        _markdown_row(("---",) * 5),
+        markdown_row(("---",) * 5),
     ]
     for index, result in enumerate(state.results):
         new_name = new_names[index] if index < len(new_names) else "-"
         porting = result.porting() + (f" ({result.note})" if result.note else "")
         outcome = str(result.outcome or "-")
-        out.append(_markdown_row((result.filename, new_name, outcome, result.pristine, porting)))
+        out.append(markdown_row((result.filename, new_name, outcome, result.pristine, porting)))
     out += ["", "Outcomes: " + "; ".join(f"**{o}** {o.meaning}" for o in Outcome) + ".", ""]
     out += ["## Drops", ""]
     drops = [r for r in state.results if r.outcome is not None and r.outcome.dropped]

@@ -13,6 +13,7 @@ from ..line_state import require_line_ready
 from ..progress import SILENT, Reporter
 from ..project import Project, Target
 from ..runner import Runner, run_subprocess
+from ..tables import text_table
 from ..testenv import test_python
 from .executor import DEFAULT_PARALLEL, TreeTester
 from .plan import ERROR, FAIL, NONE, PASS, TestOutcome, Verdict, combine, entry_sides, id_outcomes, selects
@@ -80,14 +81,9 @@ def verify_target(
 
 def render_table(rows: list[tuple[str, Verdict]]) -> str:
     header = ("line", "patch", "without", "with", "verdict")
-    cells = [header] + [(label, v.entry.filename, v.without, v.with_patch, v.label) for label, v in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in cells
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    return text_table(
+        header, [(label, v.entry.filename, v.without, v.with_patch, v.label) for label, v in rows]
+    )
 
 
 @dataclass(frozen=True)
