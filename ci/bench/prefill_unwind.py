@@ -35,7 +35,7 @@ from sglang_carry.git import Git
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_DIR = ROOT / "tests" / "upstream" / "sglang"
-CONFIGS = {
+CONFIGS: dict[str, dict[str, object]] = {
     "page1": {},
     "page4": {"page_size": 4},
     "mamba": {"mamba": True, "ping_pong": True},
@@ -171,7 +171,9 @@ def main() -> int:
     }
     if args.before:
         trees["before"] = worktree("before", args.before)
-    pools = {"plain": {}} if args.ranks == 1 else {"plain": {}, "elastic": {"elastic": True}}
+    pools: dict[str, dict[str, object]] = (
+        {"plain": {}} if args.ranks == 1 else {"plain": {}, "elastic": {"elastic": True}}
+    )
     cases = [(tree, pool) for pool in pools for tree in trees]
     print(f"bench: starting {args.ranks} worker(s) per case ({args.config}); importing sglang takes a while")
     stores = ROOT / "build" / "bench" / "stores"

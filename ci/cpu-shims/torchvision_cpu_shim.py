@@ -14,12 +14,15 @@ ops raises torchvision's own "Couldn't load custom C++ ops" error.
 
 import contextlib
 import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 
 _TARGET = "torchvision._meta_registrations"
-_LIB = None  # keep the torch.library.Library alive
+_LIB: object = None  # keep the torch.library.Library alive
 
 
-def _define_missing_ops():
+def _define_missing_ops() -> None:
     global _LIB
     ext = sys.modules.get("torchvision.extension")
     if ext is None or ext._has_ops():
@@ -30,15 +33,18 @@ def _define_missing_ops():
     for op in ("nms", "qnms"):
         if hasattr(torch.ops.torchvision, op):
             continue
+        # torch.library.Library's __init__ and define are unannotated.
         if lib is None:
-            lib = torch.library.Library("torchvision", "FRAGMENT")
-        lib.define(op + "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+            lib = torch.library.Library("torchvision", "FRAGMENT")  # type: ignore[no-untyped-call]
+        lib.define(op + "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")  # type: ignore[no-untyped-call]
     _LIB = lib
 
 
 class _TorchvisionCpuShim:
     @classmethod
-    def find_spec(cls, fullname, path=None, target=None):
+    def find_spec(
+        cls, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname == _TARGET:
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(cls)

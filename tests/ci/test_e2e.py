@@ -245,7 +245,7 @@ def test_hook_is_off_without_the_variable() -> None:
         {"CARRY_E2E_INJECT": "1", "CARRY_E2E_MISS_LIMIT": "5", "CARRY_E2E_MISS_RANKS": "1"}
     )
     try:
-        assert injector is not None and injector.limit == 5 and injector.miss_ranks == {1}
+        assert injector is not None and injector.limit == 5 and injector.miss_ranks == frozenset({1})
         assert isinstance(sys.meta_path[0], hook.AfterImport)
         assert set(sys.meta_path[0].patches) == {
             hook.BATCH_MODULE,

@@ -20,7 +20,8 @@ WORKFLOW = ROOT / ".github" / "workflows" / "nightly.yml"
 
 @pytest.fixture(scope="module")
 def workflow() -> dict[Any, Any]:
-    return yaml.safe_load(WORKFLOW.read_text())
+    parsed: dict[Any, Any] = yaml.safe_load(WORKFLOW.read_text())
+    return parsed
 
 
 def steps(workflow: dict[Any, Any], job: str) -> list[dict[str, Any]]:
@@ -47,6 +48,7 @@ def test_actionlint_if_installed() -> None:
 
 def test_triggers_cron_and_dispatch(workflow: dict[Any, Any]) -> None:
     on = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as true
+    assert on is not None, "the workflow has no triggers"
     [schedule] = on["schedule"]
     assert len(schedule["cron"].split()) == 5
     inputs = on["workflow_dispatch"]["inputs"]

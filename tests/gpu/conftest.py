@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -22,7 +22,10 @@ import upstream.conftest  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "upstream" / "sglang"))
 
-from gpu_results import RESULTS, format_table
+if TYPE_CHECKING:  # mypy names this folder's modules from tests/, as the package `gpu`
+    from gpu.gpu_results import RESULTS, format_table
+else:  # pytest puts tests/gpu itself on sys.path
+    from gpu_results import RESULTS, format_table
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

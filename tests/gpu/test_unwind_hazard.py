@@ -20,13 +20,18 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import scheduler_harness as sh
-import unwind_trials as ut
-from gpu_results import RESULTS
 from sglang.srt.managers.scheduler import Scheduler
+
+if TYPE_CHECKING:  # mypy names this folder's modules from tests/, as the package `gpu`
+    import gpu.unwind_trials as ut
+    from gpu.gpu_results import RESULTS
+else:  # pytest puts tests/gpu itself on sys.path
+    import unwind_trials as ut
+    from gpu_results import RESULTS
 
 pytestmark = pytest.mark.gpu
 

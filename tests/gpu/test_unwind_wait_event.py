@@ -25,13 +25,14 @@ def test_unwind_waits_for_the_real_finish_event_of_its_own_slot() -> None:
         pytest.skip("this tree has no unwind wait (pristine, or without its series entry)")
 
     counter = LayerDoneCounter(num_layers=2)
-    copy_stream = torch.cuda.Stream()
+    # torch.cuda.Stream and torch.cuda._sleep are unannotated.
+    copy_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(copy_stream):
         counter.events[2].complete(0)
         counter.events[2].complete(1)
     torch.cuda.synchronize()
     with torch.cuda.stream(copy_stream):
-        torch.cuda._sleep(BUSY_CYCLES)
+        torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]
         counter.events[0].complete(0)
         counter.events[0].complete(1)
     assert not counter.events[0].finish_event.query(), "the load must still be in flight"

@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import scheduler_harness as sh
@@ -85,7 +85,7 @@ def capture_loads(h: sh.Harness) -> Iterator[LoadCapture]:
 
 
 def _mamba_state(h: sh.Harness) -> torch.Tensor:
-    return h.req_to_token_pool.mamba_pool.mamba_cache.temporal  # [layers, slots, ...]
+    return cast(torch.Tensor, h.req_to_token_pool.mamba_pool.mamba_cache.temporal)  # [layers, slots, ...]
 
 
 def _kv_buffers(h: sh.Harness) -> list[torch.Tensor]:
@@ -142,16 +142,17 @@ def unwind_once(
     `wait`: replaces Scheduler._wait_for_batch_host_load (None: the tree's own)."""
     setup_host_prefix(h)
     forward = h.scheduler.tp_worker.model_runner.forward_stream
-    other, writer = torch.cuda.Stream(), torch.cuda.Stream()
+    # torch.cuda.Stream, torch.cuda.Event and torch.cuda._sleep are unannotated (here and below).
+    other, writer = torch.cuda.Stream(), torch.cuda.Stream()  # type: ignore[no-untyped-call]
     h.add_request([*PREFIX, 7, 8, 9])
     h.add_request(FRESH)
     real_ready = h.tree_cache.ready_to_load_host_cache
 
     def ready_to_load_host_cache() -> int:
-        index = real_ready()
+        index: int = real_ready()
         if other_stream_ms:
             with torch.cuda.stream(other):
-                torch.cuda._sleep(sleep_cycles(other_stream_ms))
+                torch.cuda._sleep(sleep_cycles(other_stream_ms))  # type: ignore[no-untyped-call]
         return index
 
     real_wait = Scheduler._wait_for_batch_host_load
@@ -164,7 +165,7 @@ def unwind_once(
 
     if forward_ms:
         with torch.cuda.stream(forward):
-            torch.cuda._sleep(sleep_cycles(forward_ms))
+            torch.cuda._sleep(sleep_cycles(forward_ms))  # type: ignore[no-untyped-call]
     with (
         capture_loads(h) as loads,
         mock.patch.object(h.tree_cache, "ready_to_load_host_cache", ready_to_load_host_cache),
@@ -205,11 +206,11 @@ def median_ms(values: list[float]) -> float:
 
 def forward_kernel_ms(forward_ms: float, runs: int = 5) -> float:
     """What `forward_ms` of `torch.cuda._sleep` takes on this device, timed with CUDA events."""
-    times = []
+    times: list[float] = []
     for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
-        torch.cuda._sleep(sleep_cycles(forward_ms))
+        torch.cuda._sleep(sleep_cycles(forward_ms))  # type: ignore[no-untyped-call]
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

@@ -65,7 +65,7 @@ def install(trees: Sequence[Path]) -> Path:
         os.environ["CARRY_USER_TORCH_EXTENSIONS_DIR"] = user_dir
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
     if not hasattr(cpp_extension.load, "__wrapped__"):
-        cpp_extension.load = behind_a_kernel_lock(  # type: ignore[assignment]
+        cpp_extension.load = behind_a_kernel_lock(
             cpp_extension.load, lambda name: cpp_extension._get_build_directory(name, verbose=False)
         )
     return folder

@@ -8,8 +8,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import extension_builds
+if TYPE_CHECKING:  # mypy names it from tests/, in the package `upstream`
+    from upstream import extension_builds
+else:  # the one tests/upstream/conftest.py put on sys.path and installed
+    import extension_builds
 
 HERE = Path(__file__).resolve().parent
 TINY_SOURCE = """#include <torch/extension.h>

@@ -84,7 +84,7 @@ class FakeElasticKVPool:
         self.kvcached_allocator = FakeKVCacheManager(num_blocks)
 
 
-class FakeSWAKVPool(BaseSWAKVPool):
+class FakeSWAKVPool(BaseSWAKVPool):  # type: ignore[misc]  # sglang is untyped
     """The SWA pool pair, as SGLang's SWA composite allocator sees it."""
 
     def __init__(self, num_blocks: int) -> None:

@@ -177,7 +177,7 @@ def _hybrid_req_to_token_pool() -> Any:
     )
 
 
-class FakeSWAKVPool(BaseSWAKVPool):
+class FakeSWAKVPool(BaseSWAKVPool):  # type: ignore[misc]  # sglang is untyped
     """The SWA pool pair, as SGLang's SWA composite allocator sees it: two elastic pools."""
 
     def __init__(self) -> None:

@@ -162,7 +162,7 @@ class StorageFailure(ConnectionError):
     """What the fake storage raises when a test makes a call fail."""
 
 
-class GatedStorage(HiCacheStorage):
+class GatedStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     """Storage backend stand-in: every page exists, unless a test says otherwise.
 
     ``query_gate`` holds ``batch_exists`` (the existence query the prefetch thread runs before
@@ -403,9 +403,11 @@ def device_boundary() -> Iterator[list[GatedStorage]]:
     Yields the list the factory hands its backend from: append a GatedStorage before building a
     cache, and that cache's controller gets it."""
     stores: list[GatedStorage] = []
-    hiradix = None
+    hiradix: types.ModuleType | None = None
     if HAS_HIRADIX:
-        from sglang.srt.mem_cache import hiradix_cache as hiradix
+        from sglang.srt.mem_cache import hiradix_cache
+
+        hiradix = hiradix_cache
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cache_controller_module, "device_module", CPU_DEVICE_MODULE)
         mp.setattr(l2_transfer_module, "device_module", CPU_DEVICE_MODULE)
@@ -528,7 +530,8 @@ def one_rank_world() -> Iterator[None]:
     after the test so that a two-rank test can fork without one."""
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        # torch.distributed imports HashStore without re-exporting it explicitly.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
         yield
     finally:

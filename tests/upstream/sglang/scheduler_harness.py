@@ -804,7 +804,7 @@ class Harness:
         """Turn the scheduler's metrics on with the real `SchedulerMetricsCollector`, its
         Prometheus classes swapped for `RecordingMetric`. Returns the metrics by name."""
 
-        class RecordingCollector(SchedulerMetricsCollector):
+        class RecordingCollector(SchedulerMetricsCollector):  # type: ignore[misc]  # sglang is untyped
             _counter_cls = _gauge_cls = _histogram_cls = _summary_cls = RecordingMetric
 
         RecordingMetric.created = {}
@@ -1096,7 +1096,7 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
         # The real device: torch.cuda events and streams, the real L2TransferEngine, real
         # page-locked host pools.
         device = CudaDevice()
-        forward_stream = torch.cuda.Stream()
+        forward_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     else:
         fake = device = FakeDeviceModule(log, auto_complete=cfg.auto_complete_events)
         forward_stream = FakeStream(fake, "forward")

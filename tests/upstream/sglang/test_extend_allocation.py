@@ -22,8 +22,10 @@ from unittest import mock
 
 import pytest
 import scheduler_harness as sh
+from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache import allocation
+from sglang.srt.session.session_controller import Session
 
 PREFIX = list(range(100, 132))  # 32 tokens: whole pages for page_size 1 and 4
 MAMBA: dict[str, Any] = {"mamba": True}
@@ -54,7 +56,7 @@ def _queue(h: sh.Harness, start: str) -> list[Req]:
         session = h.open_streaming_session(first_turn)
         first = h.add_request([*first_turn, 5, 6, 7, 8, 9], session=session)
     else:
-        session = sh.Session(capacity_of_str_len=1 << 16, session_id="first-turn", streaming=True)
+        session = Session(capacity_of_str_len=1 << 16, session_id="first-turn", streaming=True)
         first = h.add_request(_prompt(7, 30), session=session)
     return [first, *(h.add_request(_prompt(i)) for i in range(2))]
 
@@ -99,7 +101,7 @@ def _batch_fields(batch: ScheduleBatch) -> dict[str, Any]:
 def _stamping_rotation_bases() -> Iterator[None]:
     """A page-interleaved pool stamps each request's rotation base during the allocation; the
     harness's pools are not interleaved, so stamp one the way they would."""
-    real = sh.schedule_batch_module.alloc_for_extend
+    real = schedule_batch_module.alloc_for_extend
 
     def alloc_and_stamp(batch: ScheduleBatch) -> Any:
         result = real(batch)
@@ -108,7 +110,7 @@ def _stamping_rotation_bases() -> Iterator[None]:
                 req.kv_rotation_base = 3
         return result
 
-    with mock.patch.object(sh.schedule_batch_module, "alloc_for_extend", alloc_and_stamp):
+    with mock.patch.object(schedule_batch_module, "alloc_for_extend", alloc_and_stamp):
         yield
 
 

@@ -53,7 +53,9 @@ def make_harness() -> Iterator[HarnessFactory]:
         stores = scope.enter_context(ph.device_boundary())
 
         def build(kind: str, policy: str, **timeout: float) -> Harness:
-            return scope.enter_context(ph.build_harness(stores, kind, policy, **timeout))
+            # One rank (one_rank_world), named so that no timeout knob can stand for a rank.
+            one_rank = ph.build_harness(stores, kind, policy, tp_rank=0, tp_size=1, **timeout)
+            return scope.enter_context(one_rank)
 
         yield build
 

@@ -26,6 +26,7 @@ from unittest import mock
 
 import pytest
 import scheduler_harness as sh
+from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -379,7 +380,7 @@ def test_other_exceptions_propagate_unchanged(error: Exception, caplog: pytest.L
         for i in range(3):
             h.add_request(_prompt(i))
         rows_before = h.free_counts()["req_rows"]
-        real_alloc_for_extend = sh.schedule_batch_module.alloc_for_extend
+        real_alloc_for_extend = schedule_batch_module.alloc_for_extend
         allocator = h.token_to_kv_pool_allocator
 
         def alloc_for_extend(batch: Any) -> Any:
@@ -389,7 +390,7 @@ def test_other_exceptions_propagate_unchanged(error: Exception, caplog: pytest.L
 
         caplog.set_level(logging.WARNING, logger=SCHEDULER_LOGGER)
         with (
-            mock.patch.object(sh.schedule_batch_module, "alloc_for_extend", alloc_for_extend),
+            mock.patch.object(schedule_batch_module, "alloc_for_extend", alloc_for_extend),
             pytest.raises(type(error)) as raised,
         ):
             h.run_round()

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.session.session_controller import Session
 from test_prefill_unwind import CHUNK, MAMBA, PING_PONG, PREFIX, _charged, _prompt, _start_chunked
 
 # --------------------------------------------------------------------------------------------
@@ -137,6 +138,11 @@ def _release_order(entries: list[tuple[str, str]]) -> dict[str, Any]:
     }
 
 
+def _no_miss() -> contextlib.nullcontext[list[str]]:
+    """In place of `h.arm_miss` on a rank that misses nothing: no site is reported."""
+    return contextlib.nullcontext([])
+
+
 def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str, Any]:
     sched = h.scheduler
     reqs: list[Req] = []
@@ -145,7 +151,7 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
         session = h.open_streaming_session(first_turn)
         reqs.append(h.add_request([*first_turn, 5, 6, 7, 8, 9], session=session))
     elif scenario.first == "session_first":
-        session = sh.Session(capacity_of_str_len=1 << 16, session_id="first-turn", streaming=True)
+        session = Session(capacity_of_str_len=1 << 16, session_id="first-turn", streaming=True)
         reqs.append(h.add_request(_prompt(7, 30), session=session))
     elif scenario.first == "chunked":
         reqs.append(_start_chunked(h, 100))  # both ranks run its first chunk
@@ -158,9 +164,7 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
     h.device_log.clear()
     with contextlib.ExitStack() as stack:
         reported = stack.enter_context(
-            h.arm_miss(scenario.site)
-            if rank == MISSING_RANK and scenario.site
-            else contextlib.nullcontext([])
+            h.arm_miss(scenario.site) if rank == MISSING_RANK and scenario.site else _no_miss()
         )
         stack.enter_context(h.spy_releases())
         batch = h.run_round()
@@ -256,7 +260,7 @@ def _rank_body(names: list[str]) -> Any:
         def run(name: str) -> dict[str, Any]:
             if name in MULTI_ROUND_SCENARIOS:
                 groups = _groups("tp", rank, world, pair, singles)
-                chunk = {"chunked_prefill_size": CHUNK} if name in CHUNKED_SCENARIOS else {}
+                chunk: dict[str, Any] = {"chunked_prefill_size": CHUNK} if name in CHUNKED_SCENARIOS else {}
                 with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
                     return MULTI_ROUND_SCENARIOS[name](h, rank)
             scenario = RANK_SCENARIOS[name]
@@ -429,7 +433,7 @@ def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
         agree = getattr(sched, "_agree_on_free_space", None)
         if rank == 0 and agree is None:  # a series that agrees on nothing before admission
             stack.enter_context(_cotenant(h, 2))
-        elif rank == 0:
+        elif rank == 0 and agree is not None:
 
             def agree_then_lose_memory(agreement: Any) -> None:
                 agree(agreement)
@@ -496,7 +500,7 @@ def _cotenant_within_a_round(h: sh.Harness, rank: int) -> dict[str, Any]:
 
             stack.enter_context(mock.patch.object(sched, "_agree_on_free_space", agree_then_lose_memory))
         rounds: list[Any] = []
-        for prompts in ([], range(4)):
+        for prompts in ((), range(4)):
             for i in prompts:
                 h.add_request(_prompt(i))
             batch = h.run_round()
@@ -544,7 +548,7 @@ def _idle_round_keeps_the_cap(h: sh.Harness, rank: int) -> dict[str, Any]:
     sched.running_batch = first
     for i in range(4):
         h.add_request(_prompt(i))
-    with h.arm_miss("token_slots") if rank == MISSING_RANK else contextlib.nullcontext([]):
+    with h.arm_miss("token_slots") if rank == MISSING_RANK else _no_miss():
         assert h.run_round() is None
     cap_after_unwind = sched.prefill_unwind_admit_cap
     sched.running_batch.batch_is_full = True  # nothing can be admitted this round, on any rank
@@ -684,7 +688,7 @@ def test_an_admitting_round_makes_one_collective_once_agreed() -> None:
         def admitting_round(prompt: int, miss: sh.MissSite | None = None) -> Any:
             h.add_request(_prompt(prompt))
             collectives.append(0)
-            with h.arm_miss(miss) if miss else contextlib.nullcontext([]):
+            with h.arm_miss(miss) if miss else _no_miss():
                 batch = h.run_round()
             for req in [] if batch is None else batch.reqs:
                 h.finish_request(req)

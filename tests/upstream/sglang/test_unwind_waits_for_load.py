@@ -24,6 +24,7 @@ from unittest import mock
 import pytest
 import scheduler_harness as sh
 import test_rank_agreement
+from sglang.srt.managers.schedule_batch import ScheduleBatch
 
 PREFIX = list(range(100, 132))  # 32 tokens: whole pages for page_size 1 and 4
 PING_PONG: dict[str, Any] = {"mamba": True, "ping_pong": True}
@@ -257,7 +258,7 @@ def test_nothing_released_before_the_wait(case: StrictCase) -> None:
     so they are allowed before the wait but must never be a slot the load writes into."""
     with sh.build_harness(hicache=True, auto_complete_events=False, **CONFIGS[case.config]) as h:
         log = h.device_log
-        real_allocate = sh.ScheduleBatch.allocate_for_extend
+        real_allocate = ScheduleBatch.allocate_for_extend
 
         def allocate_for_extend(batch: Any) -> Any:
             # Bracket the allocation in the log, to tell its own rollback from later releases.
@@ -270,7 +271,7 @@ def test_nothing_released_before_the_wait(case: StrictCase) -> None:
             log.add("pool_alloc", "ok")
             return result
 
-        with mock.patch.object(sh.ScheduleBatch, "allocate_for_extend", allocate_for_extend):
+        with mock.patch.object(ScheduleBatch, "allocate_for_extend", allocate_for_extend):
             unwound = _unwind_with_load(h, case.site, after=case.after)
         targets = h.mamba_load_targets()
         wait = _wait_position(unwound)
