@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -285,6 +286,9 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.stdout.flush()
         return code
     except CarryError as exc:
+        if args.json:
+            # A script reading stdout gets a document whatever happens; the line stays on stderr.
+            print(json.dumps({"ok": False, "error": str(exc)}, ensure_ascii=False))
         print(f"carry {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from sglang_carry.cli import main
 from sglang_carry.patching import export
 
 from .conftest import DemoProject, git, patch_message
+from .test_verify import write_tests
 
 CORE = "python/demo/core.py"
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -198,3 +200,58 @@ def test_a_full_device_behind_stdout_is_named(demo: DemoProject) -> None:
     assert run.stderr.strip().splitlines() == [
         "carry status: error: stdout: No space left on device: free some disk space"
     ]
+
+
+def test_every_command_prints_its_result_as_json(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    def as_json(*args: str, code: int = 0) -> Any:
+        capsys.readouterr()
+        assert demo.carry(*args, "--json") == code
+        out, err = capsys.readouterr()
+        return json.loads(out), err
+
+    write_tests(demo)
+    demo.fetch()  # offline, with the fake pip; the CLI's fetch below finds it cached
+    fetched, err = as_json("fetch", "demo")
+    assert fetched["checkouts"] == [
+        {
+            "package": "demo",
+            "line": "1.0",
+            "tag": "upstream/1.0",
+            "state": "present",
+            "seconds": 0.0,
+            "laid_from": None,
+        }
+    ]
+    assert "fetch: demo-1.0-py3-none-any.whl: cached, sha256 ok" in err  # progress on stderr
+    demo.commit_change(
+        CORE, "def answer():\n    return 42\n", patch_message("Fix", tests="tests/test_answer.py")
+    )
+    exported, _ = as_json("export", "demo")
+    assert (exported["state"], exported["patches"], exported["revision"]) == ("wrote", 1, 1)
+    applied, _ = as_json("apply", "demo")
+    assert applied["state"] == "already-carries"
+    built, _ = as_json("build", "demo")
+    [artifact] = built["artifacts"]
+    assert (
+        artifact["for_this_interpreter"]
+        and Path(artifact["path"]).name == "demo-1.0+carry.1-py3-none-any.whl"
+    )
+    verified, _ = as_json("verify", "demo", "--python", sys.executable)
+    [row] = verified["rows"]
+    assert (row["verdict"]["without"], row["verdict"]["with_patch"], row["verdict"]["ok"]) == (
+        "fail",
+        "pass",
+        True,
+    )
+    indexed, _ = as_json("index", str(tmp_path / "simple"))
+    assert indexed["projects"] == ["demo"]
+    state, _ = as_json("status", "demo")
+    assert state["ok"] is True
+    failed, err = as_json("rebase", "--continue", code=1)
+    assert failed == {
+        "ok": False,
+        "error": "no carry rebase is in progress: start one with `carry rebase NEW_VERSION`",
+    }
+    assert err.startswith("carry rebase: error: no carry rebase is in progress")
