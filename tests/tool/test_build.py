@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from installer.exceptions import InstallerError
+from installer.sources import WheelFile
 
 from sglang_carry import build as wheel_build
 from sglang_carry.build import PROVENANCE_FILE, build
@@ -196,6 +198,11 @@ def test_record_check_catches_tampering(demo: DemoProject, tmp_path: Path) -> No
             out.writestr(info, b"def answer():\n    return 0\n" if info.filename == "demo/core.py" else data)
     with pytest.raises(CarryError, match=r"RECORD hash of demo/core.py does not match"):
         verify_wheel_record(tampered)
+    # installer, which checks RECORD with its own code, agrees on both wheels.
+    with zipfile.ZipFile(path) as built:
+        WheelFile(built).validate_record()
+    with zipfile.ZipFile(tampered) as bad, pytest.raises(InstallerError, match=r"demo/core.py"):
+        WheelFile(bad).validate_record()
 
 
 def test_sdist_build_is_versioned_and_reproducible(demo: DemoProject) -> None:
