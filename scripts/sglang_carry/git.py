@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,23 @@ _REBASE = Operation("rebase", "git rebase --continue", "git rebase --abort")
 _MERGE = Operation("merge", "git commit", "git merge --abort")
 _CHERRY_PICK = Operation("cherry-pick", "git cherry-pick --continue", "git cherry-pick --abort")
 _REVERT = Operation("revert", "git revert --continue", "git revert --abort")
+
+
+@dataclass(frozen=True)
+class MailInfo:
+    """A patch file as `git am` reads it (`git mailinfo -k`: the subject kept as it is)."""
+
+    subject: str
+    author: str
+    email: str
+    date: str
+    body: str  # the commit message after the subject: up to the `---` or the diff
+    patch: str  # the diff, empty for a commit that has none
+
+    @property
+    def message(self) -> str:
+        """The commit message git am makes of it: subject, blank line, body."""
+        return self.subject + "\n\n" + self.body
 
 
 class Git:
@@ -227,3 +245,19 @@ class Git:
                     contents[member.name] = handle.read()
         archive.unlink()
         return contents
+
+    def mailinfo(self, text: str) -> MailInfo:
+        with tempfile.TemporaryDirectory(prefix="carry-mailinfo-") as tmp:
+            message, patch = Path(tmp) / "msg", Path(tmp) / "patch"
+            out = self.run("mailinfo", "-k", str(message), str(patch), stdin=text).stdout
+            body = message.read_text(encoding="utf-8", errors="surrogateescape")
+            diff = patch.read_text(encoding="utf-8", errors="surrogateescape")
+        info = dict(line.partition(": ")[::2] for line in out.splitlines())
+        return MailInfo(
+            info.get("Subject", ""),
+            info.get("Author", ""),
+            info.get("Email", ""),
+            info.get("Date", ""),
+            body,
+            diff,
+        )

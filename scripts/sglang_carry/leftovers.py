@@ -41,7 +41,6 @@ def find(project: Project) -> list[Leftover]:
         *scratch.glob("export-*"),  # a branch being exported (patching.py)
         *scratch.glob("compare-*"),  # a branch being compared with its series (patching.py)
         *scratch.glob("pristine-*"),  # a pristine tree being laid down (fetch.py)
-        *scratch.glob("mailinfo-*"),  # a patch being read (rebase/replay.py)
         *scratch.glob("rebase-check-*"),  # a scratch copy of `carry rebase --check`
         *downloads.glob(".incoming-*"),  # a download (fetch.py)
         *project.patches_dir.glob(f"*/.*{INCOMING_SUFFIX}"),  # a series folder being replaced

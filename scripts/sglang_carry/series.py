@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import email.parser
-import email.policy
 import hashlib
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -158,23 +156,15 @@ def render_revision_file(revision: int, digest: str) -> str:
 def parse_patch(
     filename: str, data: bytes, runner: Runner = run_subprocess, cwd: Path | None = None
 ) -> Entry:
-    """An entry as git am reads it: the mail header through the stdlib email parser (so encoded
-    non-ASCII subjects come out decoded), the trailers through `git interpret-trailers --parse`."""
-    text = data.decode("utf-8", "surrogateescape")
-    message = email.parser.Parser(policy=email.policy.default).parsestr(text, headersonly=True)
-    subject = str(message.get("Subject", "")).strip()
-    payload = message.get_payload()
-    body: list[str] = []
-    for line in (payload if isinstance(payload, str) else "").splitlines():
-        if line == "---" or line.startswith("diff --git "):
-            break
-        body.append(line)
-    has_diff = any(line.startswith("diff --git ") for line in text.splitlines())
+    """An entry as git am reads it: the mail through `git mailinfo` (encoded non-ASCII subjects
+    come out decoded), the trailers through `git interpret-trailers --parse`."""
+    git = Git(cwd or Path.cwd(), runner)
+    mail = git.mailinfo(data.decode("utf-8", "surrogateescape"))
     return Entry(
         filename=filename,
-        subject=subject,
-        trailers=parse_trailers(subject, body, runner, cwd),
-        has_diff=has_diff,
+        subject=mail.subject.strip(),
+        trailers=parse_trailers(mail.subject, mail.body.splitlines(), runner, cwd),
+        has_diff=bool(mail.patch.strip()),
         sha256=hashlib.sha256(data).hexdigest(),
     )
 

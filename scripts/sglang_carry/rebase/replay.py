@@ -5,7 +5,6 @@ existing new line records (--check)."""
 from __future__ import annotations
 
 import enum
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def _replay_one(
     session: Session, target: Target, series: Series, entry: Entry, policy: ConflictPolicy
 ) -> PatchResult:
     """Put one entry on the new branch and say how it went."""
-    git, state, project = session.git, session.state, session.project
+    git, state = session.git, session.state
     patch = series.directory / entry.filename
     pristine = state.pristine.get(entry.filename, "-")
     result = PatchResult(
@@ -88,9 +87,9 @@ def _replay_one(
         return result
     if pristine == PASS and not state.keep:
         message = with_applied_upstream_status(
-            message_of(git, patch, project), evidence_for_fixed(entry, state.name, state.old, state.new)
+            message_of(git, patch), evidence_for_fixed(entry, state.name, state.old, state.new)
         )
-        _commit_empty(git, patch, project, message)
+        _commit_empty(git, patch, message)
         result.outcome = Outcome.FIXED_UPSTREAM
         return result
     if pristine == PASS:
@@ -114,10 +113,10 @@ def _replay_one(
     after = git.rev("HEAD")
     if after == before:
         message = with_applied_upstream_status(
-            message_of(git, patch, project),
+            message_of(git, patch),
             evidence_for_empty(entry, state.name, state.old, state.new, pristine),
         )
-        _commit_empty(git, patch, project, message)
+        _commit_empty(git, patch, message)
         result.outcome = Outcome.EMPTY
         if pristine != PASS:
             result.note = f"its diff is upstream, but its tests {pristine} on pristine {state.new}"
@@ -150,34 +149,19 @@ def diff_of(git: Git, commit: str) -> str:
     return git.run("show", "--format=", "--full-index", commit).stdout
 
 
-def message_of(git: Git, patch: Path, project: Project) -> str:
+def message_of(git: Git, patch: Path) -> str:
     """The commit message git am would make of ``patch``: subject, blank line, body."""
-    info, body = _mailinfo(git, patch, project)
-    return info.get("Subject", "") + "\n\n" + body
+    return git.mailinfo(patch.read_text(encoding="utf-8", errors="surrogateescape")).message
 
 
-def _mailinfo(git: Git, patch: Path, project: Project) -> tuple[dict[str, str], str]:
-    project.scratch_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=project.scratch_dir, prefix="mailinfo-") as tmp:
-        msg, diff = Path(tmp) / "msg", Path(tmp) / "patch"
-        text = patch.read_text(encoding="utf-8", errors="surrogateescape")
-        out = git.run("mailinfo", "-k", str(msg), str(diff), stdin=text).stdout
-        body = msg.read_text(encoding="utf-8", errors="surrogateescape")
-    info = {}
-    for line in out.splitlines():
-        key, _, value = line.partition(": ")
-        info[key] = value
-    return info, body
-
-
-def _commit_empty(git: Git, patch: Path, project: Project, message: str) -> None:
+def _commit_empty(git: Git, patch: Path, message: str) -> None:
     """An empty commit with ``message``, authored as the patch was (what git am would record)."""
-    info, _ = _mailinfo(git, patch, project)
+    mail = git.mailinfo(patch.read_text(encoding="utf-8", errors="surrogateescape"))
     env = {
-        "GIT_AUTHOR_NAME": info.get("Author", ""),
-        "GIT_AUTHOR_EMAIL": info.get("Email", ""),
-        "GIT_AUTHOR_DATE": info.get("Date", ""),
-        "GIT_COMMITTER_DATE": info.get("Date", ""),
+        "GIT_AUTHOR_NAME": mail.author,
+        "GIT_AUTHOR_EMAIL": mail.email,
+        "GIT_AUTHOR_DATE": mail.date,
+        "GIT_COMMITTER_DATE": mail.date,
     }
     git.run(
         "commit", "--quiet", "--allow-empty", "--no-verify", "--cleanup=verbatim", "-F", "-",
