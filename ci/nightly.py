@@ -3,27 +3,31 @@ and a canary that tries the series on the newest sglang release.
 
     ci/nightly [--no-gpu] [--out DIR] [--lines 0.5.20,...] [--no-canary]
 
-Maintained lines are the lines of `carry status --json` that have a series (or carry nothing on
-purpose). For each, in order: build (`carry fetch`, `carry apply`, then `carry build
---all-platforms --json`: every pinned file of the line, each artifact's sha256 recorded from the
-build's result and the one for this interpreter used by the e2e), verify (`carry verify`),
-cpu-tests (`carry apply` of that line, then pytest on tests/upstream/NAME against its tree), and
-for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a real server on CPU, one rank and two) and,
-where a CUDA device is present, gpu-tests (tests/gpu with CARRY_REQUIRE_GPU=1) and e2e
-(ci/e2e/run_e2e.py). A "project" row runs ruff, mypy and the tool's tests once (./scripts/test
-tests/tool). Then the canary asks the index `carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for
-the newest sglang release and, when it is newer than the newest sglang line, runs `carry rebase
---check NEWEST sglang`, which names the first patch that stops applying. Each line's CPU tests run
-in its own test environment (ci/test-envs.toml), built first where it is missing.
+Maintained lines are the lines the carry library's status reports with a series (or carrying
+nothing on purpose), read in-process (`Library`, the same record as `carry status --json`). For
+each, in order: build (through the library, with the checkout's lock held: fetch, apply, and build
+from every pinned file of the line, as `carry build --all-platforms`; each artifact's sha256 comes
+from the build's result, and the one for this interpreter is the one the e2e installs), verify
+(`carry verify`), cpu-tests (`carry apply` of that line, then pytest on tests/upstream/NAME
+against its tree), and for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a real server on CPU,
+one rank and two) and, where a CUDA device is present, gpu-tests (tests/gpu with
+CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs ruff, mypy and the tool's
+tests once (./scripts/test tests/tool). Then the canary asks the index `carry rebase` reads (PyPI,
+or $CARRY_INDEX_URL) for the newest sglang release and, when it is newer than the newest sglang
+line, runs `carry rebase --check NEWEST sglang`, which names the first patch that stops applying.
+Each line's CPU tests run in its own test environment (ci/test-envs.toml), built first where it is
+missing.
 
 Everything lands in one folder (default build/nightly/<UTC timestamp>/): summary.md and
-summary.json (line x step -> pass/fail/skipped with the reason, durations, wheel sha256), logs/
+summary.json (line x step -> pass/fail/skipped with the reason, durations, every artifact's
+sha256; ci/schemas/nightly-summary.schema.json), logs/
 (one log per step), wheels/ (the built wheels and sdists), simple/ (them as a PEP 503 index),
 gpu/, e2e/ and e2e-cpu/ results.
 Exit 0 when nothing failed (skips are not failures), 1 otherwise.
 
-Every command goes through an injectable Runner and the registry through an injectable fetcher,
-so tests/ci/test_nightly.py runs the whole flow offline with fakes.
+Every command goes through an injectable Runner, the registry through an injectable fetcher and the
+library through an injectable Tool, so tests/ci/test_nightly.py runs the whole flow offline with
+fakes.
 """
 
 from __future__ import annotations
@@ -39,19 +43,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from packaging.version import Version  # noqa: E402
 
+from sglang_carry.build import BuildResult, build_all  # noqa: E402
+from sglang_carry.checkout_lock import writing  # noqa: E402
 from sglang_carry.errors import CarryError  # noqa: E402
-from sglang_carry.project import Project  # noqa: E402
+from sglang_carry.fetch import fetch as fetch_pinned  # noqa: E402
+from sglang_carry.patching import apply  # noqa: E402
+from sglang_carry.progress import Recorder, Reporter  # noqa: E402
+from sglang_carry.project import Project, select_targets  # noqa: E402
 from sglang_carry.registry import Fetcher, fetch_url, index_files, index_url, newest_version  # noqa: E402
 from sglang_carry.runner import Completed, Runner, run_subprocess  # noqa: E402
 from sglang_carry.simple_index import write_index  # noqa: E402
-from sglang_carry.status import MAINTAINED, SeriesState  # noqa: E402
+from sglang_carry.status import MAINTAINED, SeriesState, status  # noqa: E402
 from sglang_carry.tables import markdown_table  # noqa: E402
 from sglang_carry.testenv import test_envs  # noqa: E402
 
@@ -105,6 +114,36 @@ def newest_release(project: str, fetch: Fetcher) -> str | None:
     return None if newest is None else str(newest)
 
 
+class Tool(Protocol):
+    """What the nightly asks the carry library, in-process (tests give a fake)."""
+
+    def status_record(self) -> dict[str, Any]:
+        """Every pinned line's state, as ci/schemas/status.schema.json writes it down."""
+
+    def build(self, name: str, version: str, report: Reporter) -> BuildResult:
+        """The line fetched, applied and built from every file it pins (`--all-platforms`)."""
+
+
+class Library:
+    """The carry library on this checkout: what `carry status` and `./scripts/build` do, with the
+    checkout's lock held as any writing carry command holds it."""
+
+    def __init__(self, root: Path) -> None:
+        self.project = Project(root)
+
+    def status_record(self) -> dict[str, Any]:
+        return status(self.project, select_targets(self.project, [], None, every_line=True)).record()
+
+    def build(self, name: str, version: str, report: Reporter) -> BuildResult:
+        with writing(self.project, "build (the nightly)", wait=True, report=report):
+            targets = select_targets(self.project, [name], version)
+            fetch_pinned(self.project, targets, report=report)
+            for target in targets:
+                for line in apply(self.project, target).describe():
+                    report.step(line)
+            return build_all(self.project, targets, all_platforms=True, report=report)
+
+
 def last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -118,8 +157,10 @@ class Nightly:
         runner: Runner = run_subprocess,
         fetch: Fetcher = fetch_url,
         clock: Callable[[], float] = time.monotonic,
+        tool: Tool | None = None,
     ) -> None:
         self.root = root
+        self.tool = tool or Library(root)
         self.options = options
         self.run_command = runner
         self.fetch = fetch
@@ -141,30 +182,14 @@ class Nightly:
         args: Sequence[str],
         env: Mapping[str, str] | None = None,
     ) -> tuple[StepResult, Completed]:
-        return self._chain(row, step, [args], env)
-
-    def _chain(
-        self,
-        row: str,
-        step: str,
-        commands: Sequence[Sequence[str]],
-        env: Mapping[str, str] | None = None,
-    ) -> tuple[StepResult, Completed]:
-        """One step made of commands run in order until one fails, in one log; the result is
-        that of the last command run."""
         log = Path("logs") / f"{row.replace(' ', '-')}-{step}.log"
         started = self.clock()
-        parts = []
-        for args in commands:
-            done = self.run_command(list(args), cwd=self.root, env=env)
-            parts.append(
-                f"$ {' '.join(args)}\n(exit {done.returncode})\n\n"
-                f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
-            )
-            if done.returncode != 0:
-                break
+        done = self.run_command(list(args), cwd=self.root, env=env)
         seconds = self.clock() - started
-        (self.out / log).write_text(f"({seconds:.1f} s)\n\n" + "\n\n".join(parts))
+        (self.out / log).write_text(
+            f"$ {' '.join(args)}\n(exit {done.returncode}, {seconds:.1f} s)\n\n"
+            f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+        )
         if done.returncode == 0:
             result = StepResult(PASS, seconds=seconds, log=str(log))
         else:
@@ -173,24 +198,39 @@ class Nightly:
         self.results.setdefault(row, {})[step] = result
         return result, done
 
+    def _build(self, row: str, line: Line) -> None:
+        """The build step, through the library: its progress is the step's log, its result the
+        artifacts; a refusal (or any failure) fails the step with its one line."""
+        log = Path("logs") / f"{row.replace(' ', '-')}-build.log"
+        report = Recorder()
+        started = self.clock()
+        try:
+            built: BuildResult | None = self.tool.build(line.name, line.version, report)
+            why = ""
+        except CarryError as error:
+            built, why = None, str(error)
+        except Exception as error:  # the build is I/O: report it, do not crash the summary
+            built, why = None, f"{type(error).__name__}: {error}"
+        seconds = self.clock() - started
+        (self.out / log).write_text("\n".join([*report.steps, *report.warnings, why]).strip() + "\n")
+        result = StepResult(PASS if built else FAIL, why, seconds, str(log))
+        self.results.setdefault(row, {})["build"] = result
+        if built is not None:
+            self.keep_artifacts(row, result, built)
+
     def _skip(self, row: str, step: str, reason: str) -> None:
         self.results.setdefault(row, {})[step] = StepResult(SKIPPED, reason)
 
     # ---- the flow ---------------------------------------------------------------------------
     def maintained_lines(self) -> list[Line]:
-        done = self.run_command([str(self.root / "scripts" / "carry"), "status", "--json"], cwd=self.root)
-        try:
-            status = json.loads(done.stdout)
-        except json.JSONDecodeError as error:
-            raise SystemExit(f"nightly: error: `carry status --json` printed no JSON ({error})") from None
         lines = []
-        for record in status["lines"]:
+        for record in self.tool.status_record()["lines"]:
             try:
                 state = SeriesState(record["series"]["state"])
             except (KeyError, TypeError, ValueError) as error:
                 raise SystemExit(
-                    f"nightly: error: `carry status --json` printed a line this nightly cannot read "
-                    f"({error!r}); see ci/schemas/status.schema.json"
+                    f"nightly: error: the status of a line cannot be read ({error!r}); see "
+                    "ci/schemas/status.schema.json"
                 ) from None
             if state in MAINTAINED:
                 lines.append(Line(record["name"], record["version"], record.get("test_env")))
@@ -263,17 +303,7 @@ class Nightly:
     def run_line(self, line: Line, carry: str) -> None:
         row, versioned = line.key, [line.name, "--upstream", line.version]
         # Every pinned file of the line (each Python and platform), as a team installs them.
-        build, done = self._chain(
-            row,
-            "build",
-            [
-                [carry, "fetch", *versioned],
-                [carry, "apply", *versioned],
-                [carry, "build", *versioned, "--all-platforms", "--json"],
-            ],
-        )
-        if build.status == PASS:
-            self.keep_artifacts(row, build, done.stdout)
+        self._build(row, line)
         self._step(row, "verify", [carry, "verify", *versioned])
         applied, _ = self._step(row, "apply", [carry, "apply", *versioned])
         self.results[row]["cpu-tests"] = self.results[row].pop("apply")
@@ -314,22 +344,18 @@ class Nightly:
             ],
         )
 
-    def keep_artifacts(self, row: str, build: StepResult, printed: str) -> None:
-        """The build's artifacts (its --json result) copied into wheels/; the one for this
-        interpreter is the line's wheel, the one the e2e step installs."""
-        try:
-            artifacts = json.loads(printed)["artifacts"]
-            here = next(a for a in artifacts if a["for_this_interpreter"])
-        except (json.JSONDecodeError, KeyError, TypeError, StopIteration) as error:
-            build.status = FAIL
-            build.reason = f"`carry build --json` printed no artifact for this interpreter ({error!r})"
+    def keep_artifacts(self, row: str, build: StepResult, built: BuildResult) -> None:
+        """The build's artifacts copied into wheels/; the one for this interpreter is the line's
+        wheel, the one the e2e step installs."""
+        here = next((a for a in built.artifacts if a.for_this_interpreter), None)
+        if here is None:
+            build.status, build.reason = FAIL, "the build made no artifact for this interpreter"
             return
-        for artifact in artifacts:
-            built = Path(artifact["path"])
-            shutil.copy2(built, self.out / "wheels" / built.name)
-            self.artifacts.append({"line": row, "file": built.name, "sha256": artifact["sha256"]})
-        self.wheels[row] = {"file": Path(here["path"]).name, "sha256": here["sha256"]}
-        build.details = {**self.wheels[row], "artifacts": len(artifacts)}
+        for artifact in built.artifacts:
+            shutil.copy2(artifact.path, self.out / "wheels" / artifact.path.name)
+            self.artifacts.append({"line": row, "file": artifact.path.name, "sha256": artifact.sha256})
+        self.wheels[row] = {"file": here.path.name, "sha256": here.sha256}
+        build.details = {**self.wheels[row], "artifacts": len(built.artifacts)}
 
     def _step_in_test_env(self, row: str, line: Line, step: str, args: Sequence[str]) -> None:
         """A step run by the line's own test environment's interpreter (built if missing)."""
@@ -434,7 +460,10 @@ class Nightly:
 
 
 def main(
-    argv: Sequence[str] | None = None, runner: Runner = run_subprocess, fetch: Fetcher = fetch_url
+    argv: Sequence[str] | None = None,
+    runner: Runner = run_subprocess,
+    fetch: Fetcher = fetch_url,
+    tool: Tool | None = None,
 ) -> int:
     parser = argparse.ArgumentParser(prog="ci/nightly", description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU tests and the e2e test")
@@ -461,7 +490,7 @@ def main(
         gpu_python=args.gpu_python,
         canary_only=args.canary_only,
     )
-    nightly = Nightly(ROOT, options, runner, fetch)
+    nightly = Nightly(ROOT, options, runner, fetch, tool=tool)
     if args.list_lines:
         lines = nightly.maintained_lines()
         print(json.dumps([{"package": line.name, "version": line.version} for line in lines]))

@@ -16,7 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import leftovers
 from .errors import CarryError
+from .progress import SILENT, Reporter
 from .project import Project
 
 LOCK_FILE = "carry.lock"
@@ -78,6 +80,25 @@ def hold(
             handle.truncate()
             handle.flush()
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+@contextmanager
+def writing(
+    project: Project,
+    command: str,
+    wait: bool,
+    on_wait: Callable[[Holder], None] = lambda _: None,
+    report: Reporter = SILENT,
+) -> Iterator[None]:
+    """What every command that writes does first, the CLI's and the nightly's alike: hold the
+    checkout's lock, then remove what a command killed part-way left (reported)."""
+    with hold(project, command, wait, on_wait):
+        for leftover in leftovers.remove(project):
+            report.warn(
+                f"carry {command}: removed {leftover.describe(project.root)}, left by a carry command "
+                "killed part-way"
+            )
+        yield
 
 
 def working(project: Project) -> Holder | None:

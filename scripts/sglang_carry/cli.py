@@ -12,9 +12,9 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import __version__, leftovers
+from . import __version__
 from .build import build_all
-from .checkout_lock import Holder, hold
+from .checkout_lock import Holder, writing
 from .cli_render import ConsoleReporter, as_json, problem, text_lines
 from .errors import CarryError
 from .fetch import fetch
@@ -234,7 +234,7 @@ def _checkout_lock(project: Project, args: argparse.Namespace) -> AbstractContex
             flush=True,
         )
 
-    return hold(project, args.command, wait=not args.no_wait, on_wait=say_waiting)
+    return writing(project, args.command, not args.no_wait, say_waiting, ConsoleReporter())
 
 
 class _NamedStdout:
@@ -274,13 +274,6 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         project = Project.find(args.root.resolve() if args.root else Path.cwd())
         with _checkout_lock(project, args):
-            if args.command not in READ_ONLY_COMMANDS:
-                for leftover in leftovers.remove(project):
-                    print(
-                        f"carry {args.command}: removed {leftover.describe(project.root)}, left by a "
-                        "carry command killed part-way",
-                        file=sys.stderr,
-                    )
             code = _render(project, args, _dispatch(project, args))
         # Flushed here, not at exit, so a closed pipe is reported below and not as a traceback.
         sys.stdout.flush()

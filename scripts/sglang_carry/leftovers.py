@@ -39,7 +39,7 @@ def find(project: Project) -> list[Leftover]:
     candidates = [
         *scratch.glob("tmp*"),  # a wheel being built, and its unpacked tree (build.py)
         *scratch.glob("export-*"),  # a branch being exported (patching.py)
-        *scratch.glob("compare-*"),  # a branch being compared with its series (patching.py)
+        *scratch.glob("compare-*"),  # a branch being compared with its series (line_state.py)
         *scratch.glob("pristine-*"),  # a pristine tree being laid down (fetch.py)
         *scratch.glob("rebase-check-*"),  # a scratch copy of `carry rebase --check`
         *downloads.glob(".incoming-*"),  # a download (fetch.py)

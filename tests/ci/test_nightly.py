@@ -13,7 +13,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from sglang_carry.build import BuildResult, BuiltArtifact
 from sglang_carry.errors import CarryError
+from sglang_carry.progress import Reporter
 from sglang_carry.runner import Completed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +26,7 @@ nightly = importlib.util.module_from_spec(_spec)
 sys.modules["carry_nightly"] = nightly
 _spec.loader.exec_module(nightly)
 
+CP311 = "cp311-cp311-manylinux_2_34_x86_64.whl"
 STATUS = {
     "ok": True,
     "lines": [
@@ -73,6 +76,7 @@ class FakeProject:
         self.fail: dict[str, tuple[int, str]] = {}
         self.status: dict[str, Any] = STATUS
         self.calls: list[tuple[list[str], dict[str, str]]] = []
+        self.built: list[tuple[str, str]] = []
 
     def __call__(
         self,
@@ -94,32 +98,31 @@ class FakeProject:
             if not self.gpu:
                 raise FileNotFoundError("nvidia-smi")
             return Completed(tuple(argv), 0, "GPU 0: NVIDIA H200 (UUID: GPU-x)\n", "")
-        if tool == "carry" and argv[1:3] == ["status", "--json"]:
-            return Completed(tuple(argv), 0, json.dumps(self.status), "")
         if tool == "carry" and argv[1] == "rebase" and not self.rebase:
             return Completed(tuple(argv), 2, "", "carry: error: invalid choice: 'rebase'")
-        if tool == "carry" and argv[1] == "build":
-            return Completed(tuple(argv), 0, json.dumps(self.build(argv[2], argv[4])), "build: done\n")
         return Completed(tuple(argv), 0, "ok\n", "")
 
-    def build(self, name: str, version: str) -> dict[str, Any]:
-        """What `carry build --all-platforms --json` prints: for sglang one wheel per Python, the
-        cp311 one for this interpreter."""
-        tags = (
-            ["tar.gz"]
-            if name == "kvcached"
-            else ["cp312-cp312-manylinux_2_34_x86_64.whl", "cp311-cp311-manylinux_2_34_x86_64.whl"]
-        )
+    def status_record(self) -> dict[str, Any]:
+        return self.status
+
+    def build(self, name: str, version: str, report: Reporter) -> BuildResult:
+        """What the library's build returns: for sglang one wheel per Python, the cp311 one for
+        this interpreter."""
+        self.built.append((name, version))
+        if "build" in self.fail:
+            raise CarryError(self.fail["build"][1])
+        report.step(f"build: {name} {version}: done")
+        tags = ["tar.gz"] if name == "kvcached" else ["cp312-cp312-manylinux_2_34_x86_64.whl", CP311]
         artifacts = []
         for tag in tags:
             path = self.root / "dist" / f"{name}-{version}+carry.1-{tag}"
             path.parent.mkdir(exist_ok=True)
-            content = f"{name} {version}" + ("" if "cp311" in tag or tag == "tar.gz" else f" {tag}")
+            here = "cp312" not in tag
+            content = f"{name} {version}" + ("" if here else f" {tag}")
             path.write_bytes(content.encode())
             sha = hashlib.sha256(content.encode()).hexdigest()
-            here = "cp312" not in tag
-            artifacts.append({"path": str(path), "sha256": sha, "for_this_interpreter": here})
-        return {"artifacts": artifacts}
+            artifacts.append(BuiltArtifact(name, version, path, tag, here, sha, 0.1))
+        return BuildResult(tuple(artifacts))
 
     def commands(self, word: str) -> list[list[str]]:
         """The calls with ``word`` among their arguments, or as the name of the program or of
@@ -151,6 +154,7 @@ def run(
         runner=project,
         fetch=fetch,
         clock=lambda: next(clock),
+        tool=project,
     )
     code = runner.run()
     if not options.get("no_canary"):
@@ -192,9 +196,7 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     page = (tmp_path / "out" / "simple" / "sglang" / "index.html").read_text()
     assert f"{wheel['file']}#sha256={wheel['sha256']}" in page
     # Every pinned file of the line is built and published, beside the one for this interpreter.
-    assert next(argv[1:] for argv in project.commands("build") if argv[1] == "build") == [
-        "build", "kvcached", "--upstream", "0.1.6", "--all-platforms", "--json"
-    ]  # fmt: skip
+    assert project.built == [("kvcached", "0.1.6"), ("sglang", "0.5.20"), ("sglang", "0.5.21")]
     cp312 = "sglang-0.5.20+carry.1-cp312-cp312-manylinux_2_34_x86_64.whl"
     assert (tmp_path / "out" / "wheels" / cp312).is_file() and cp312 in page
     assert wheel["file"] == "sglang-0.5.20+carry.1-cp311-cp311-manylinux_2_34_x86_64.whl"
@@ -287,7 +289,9 @@ def test_registry_failure_is_reported_not_raised(tmp_path: Path) -> None:
     def fetch(url: str) -> bytes:
         raise CarryError(f"cannot read {url} (network is unreachable): check the network")
 
-    runner = nightly.Nightly(tmp_path, nightly.Options(out=tmp_path / "out", no_gpu=True), project, fetch)
+    runner = nightly.Nightly(
+        tmp_path, nightly.Options(out=tmp_path / "out", no_gpu=True), project, fetch, tool=project
+    )
     assert runner.run() == 1
     assert runner.canary == {
         "status": "fail",
@@ -359,7 +363,7 @@ def test_canary_only_runs_no_line(tmp_path: Path) -> None:
     assert code == 0
     assert summary["lines"] == {}
     assert summary["canary"]["status"] == "pass"
-    assert project.commands("build") == [] and project.commands("nvidia-smi") == []
+    assert project.built == [] and project.commands("nvidia-smi") == []
 
 
 def test_gpu_python_per_line(tmp_path: Path) -> None:
@@ -378,7 +382,8 @@ def test_gpu_python_per_line(tmp_path: Path) -> None:
 
 
 def test_list_lines(capsys: pytest.CaptureFixture[str]) -> None:
-    assert nightly.main(["--list-lines"], runner=FakeProject(ROOT)) == 0
+    fake = FakeProject(ROOT)
+    assert nightly.main(["--list-lines"], runner=fake, tool=fake) == 0
     assert json.loads(capsys.readouterr().out) == [
         {"package": "kvcached", "version": "0.1.6"},
         {"package": "sglang", "version": "0.5.20"},
@@ -391,3 +396,21 @@ def test_lines_option_runs_one_line_but_the_canary_sees_all(tmp_path: Path) -> N
     _, summary, _ = run(tmp_path, project, simple_index("0.5.24"), no_gpu=True, only_versions=("0.5.20",))
     assert list(summary["lines"]) == ["project", "sglang 0.5.20"]
     assert summary["canary"]["newest_line"] == "0.5.21"
+
+
+def test_a_build_the_library_refuses_fails_its_step_and_the_night_goes_on(tmp_path: Path) -> None:
+    project = FakeProject(tmp_path)
+    project.fail["build"] = (1, "upstream/sglang has uncommitted changes (python/x.py): commit them")
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.21"), no_gpu=True)
+    assert code == 1
+    build = summary["lines"]["sglang 0.5.20"]["build"]
+    assert build["status"] == "fail" and build["reason"].startswith("upstream/sglang has uncommitted changes")
+    assert "upstream/sglang has uncommitted changes" in (tmp_path / "out" / build["log"]).read_text()
+    assert summary["lines"]["sglang 0.5.20"]["verify"]["status"] == "pass"
+    assert summary["wheels"] == {} and summary["artifacts"] == []
+
+
+def test_the_library_reads_this_checkouts_status_as_its_schema_writes_it() -> None:
+    record = nightly.Library(ROOT).status_record()
+    jsonschema.validate(record, json.loads((ROOT / "ci" / "schemas" / "status.schema.json").read_text()))
+    assert {line["name"] for line in record["lines"]} == {"sglang", "kvcached"}
