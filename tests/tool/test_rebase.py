@@ -15,10 +15,11 @@ import pytest
 
 from sglang_carry.cli_render import ConsoleReporter, text_lines
 from sglang_carry.errors import CarryError
+from sglang_carry.git import Git
 from sglang_carry.patching import export
 from sglang_carry.pins import PinnedFile, Release, load_upstream
 from sglang_carry.rebase import Aborted, RebaseResult, Request, rebase, rebase_abort, rebase_continue
-from sglang_carry.rebase.report import drop_when_matches
+from sglang_carry.rebase.report import drop_when_matches, with_applied_upstream_status
 from sglang_carry.registry import (
     IndexFile,
     fetch_url,
@@ -649,3 +650,16 @@ def test_conflict_then_continue_after_a_plain_git_commit(demo: DemoProject) -> N
     assert rebasing.new_entries() == [("Pending", True), ("Pending", True), ("Applied-Upstream", False)]
     assert git(demo.checkout, "rev-parse", "--git-path", "rebase-apply").stdout.strip()
     assert not (demo.checkout / ".git" / "rebase-apply").exists()
+
+
+def test_a_dropped_entrys_message_has_git_replace_its_status_trailer(tmp_path: Path) -> None:
+    message = (
+        "Fix nine\n\nWhy it was needed.\n\n"
+        "Upstream-Status: Submitted https://example.com/pr/9\n  (a continuation line)\n"
+        "Bug: https://example.com/issue/9\nTest: tests/test_nine.py\n"
+    )
+    dropped = with_applied_upstream_status(Git(tmp_path), message, "Applied upstream in demo 1.2.")
+    assert dropped == (
+        "Fix nine\n\nWhy it was needed.\n\nApplied upstream in demo 1.2.\n\n"
+        "Upstream-Status: Applied-Upstream\nBug: https://example.com/issue/9\nTest: tests/test_nine.py\n"
+    )

@@ -87,7 +87,7 @@ def _replay_one(
         return result
     if pristine == PASS and not state.keep:
         message = with_applied_upstream_status(
-            message_of(git, patch), evidence_for_fixed(entry, state.name, state.old, state.new)
+            git, message_of(git, patch), evidence_for_fixed(entry, state.name, state.old, state.new)
         )
         _commit_empty(git, patch, message)
         result.outcome = Outcome.FIXED_UPSTREAM
@@ -113,6 +113,7 @@ def _replay_one(
     after = git.rev("HEAD")
     if after == before:
         message = with_applied_upstream_status(
+            git,
             message_of(git, patch),
             evidence_for_empty(entry, state.name, state.old, state.new, pristine),
         )

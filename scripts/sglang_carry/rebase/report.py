@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from ..git import Git
 from ..series import APPLIED_UPSTREAM, Entry
 from ..tables import markdown_row, text_table
 from .journal import State
@@ -72,24 +73,24 @@ def evidence_for_empty(entry: Entry, name: str, old: str, new: str, pristine: st
     )
 
 
-def with_applied_upstream_status(message: str, evidence: str) -> str:
-    """``message`` with the evidence as a paragraph before its trailers and its Upstream-Status
-    trailer replaced by Applied-Upstream (the other trailers, Test: among them, kept)."""
+def with_evidence(message: str, evidence: str) -> str:
+    """``message`` with the evidence as a paragraph of its own, just before its trailers."""
     subject, _, body = message.partition("\n\n")
     paragraphs = [p for p in body.strip("\n").split("\n\n") if p.strip()]
     trailers = paragraphs.pop() if paragraphs else ""
-    kept: list[str] = []
-    replacing = False
-    for line in trailers.splitlines():
-        if line.startswith("Upstream-Status:"):
-            kept.append(f"Upstream-Status: {APPLIED_UPSTREAM}")
-            replacing = True
-            continue
-        if replacing and line[:1] in (" ", "\t"):
-            continue  # a continuation line of the replaced trailer
-        replacing = False
-        kept.append(line)
-    return "\n\n".join([subject.strip(), *paragraphs, evidence, "\n".join(kept)]) + "\n"
+    return "\n\n".join([subject.strip(), *paragraphs, evidence, trailers]) + "\n"
+
+
+def with_applied_upstream_status(git: Git, message: str, evidence: str) -> str:
+    """``message`` with the evidence before its trailers, and its Upstream-Status trailer (with
+    any continuation lines) replaced by Applied-Upstream by `git interpret-trailers`; the other
+    trailers, Test: among them, kept in their order."""
+    replaced = git.out(
+        "interpret-trailers", "--if-exists", "replace", "--where", "start",
+        "--trailer", f"Upstream-Status: {APPLIED_UPSTREAM}",
+        stdin=with_evidence(message, evidence),
+    )  # fmt: skip
+    return replaced + "\n"
 
 
 # --- what porting took ---
