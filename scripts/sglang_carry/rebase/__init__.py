@@ -43,6 +43,7 @@ from .steps import (
     Aborted,
     RebaseResult,
     Request,
+    begin,
     choose_upstream,
     finish,
     new_target,
@@ -141,17 +142,8 @@ def rebase(
     pinned, pin_text = pin(upstream, old.release, request, fetch)
     python = request.python or test_python(project, pinned or upstream.release(request.new))
     head = git.run("symbolic-ref", "--quiet", "HEAD", check=False)
-    state = State(
-        name=upstream.name,
-        old=old.version,
-        new=request.new,
-        keep=request.keep,
-        python=python,
-        command=command,
-        pin_file=str(pin_file(project, upstream.name)),
-        pin_source=pin_text,
-        head_before=head.stdout.strip() if head.returncode == 0 else (git.rev("HEAD") or ""),
-    )
+    head_before = head.stdout.strip() if head.returncode == 0 else (git.rev("HEAD") or "")
+    state = begin(request, old, python, command, pin_file(project, upstream.name), pin_text, head_before)
     session = Session(project, git, git.state_file(STATE_FILE), state, runner, report)
     session.save()
     with undone_unless_done(project, git, session.journal, state):

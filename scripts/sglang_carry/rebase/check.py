@@ -16,9 +16,9 @@ from ..project import Project, Target
 from ..registry import Fetcher, append_release
 from ..runner import Runner
 from ..testenv import test_python
-from .journal import STATE_FILE, State
+from .journal import STATE_FILE
 from .replay import ConflictPolicy, Session
-from .steps import RebaseResult, Request, pin, pin_file, run
+from .steps import RebaseResult, Request, begin, pin, pin_file, run
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,9 @@ def check(
         # The environments live in the real checkout, not in the scratch copy.
         python = request.python or test_python(project, pinned or scratch_upstream.release(request.new))
         git = Git(scratch.checkout(upstream.name), runner)
-        state = State(
-            name=upstream.name,
-            old=old.version,
-            new=request.new,
-            keep=request.keep,
-            python=python,
-            command=f"carry rebase --check {request.new} {upstream.name} --upstream {old.version}",
-            pin_file=str(pin_file(scratch, upstream.name)),
-            pin_source=pin_text.replace(str(base) + "/", ""),
-        )
+        command = f"carry rebase --check {request.new} {upstream.name} --upstream {old.version}"
+        pin_source = pin_text.replace(str(base) + "/", "")
+        state = begin(request, old, python, command, pin_file(scratch, upstream.name), pin_source)
         policy = ConflictPolicy.SKIP
         recorded = project.patches_dir / upstream.name / request.new
         if recorded.is_dir():

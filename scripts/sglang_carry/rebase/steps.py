@@ -104,6 +104,29 @@ def pin(upstream: Upstream, old: Release, request: Request, fetch: Fetcher) -> t
     return release, f"read from {index} and appended to upstream/{upstream.name}.toml (review and commit it)"
 
 
+def begin(
+    request: Request,
+    old: Target,
+    python: str,
+    command: str,
+    pin_path: Path,
+    pin_source: str,
+    head_before: str = "",
+) -> State:
+    """The journal of a rebase (or a --check) of ``old`` onto ``request.new``, before any step."""
+    return State(
+        name=old.name,
+        old=old.version,
+        new=request.new,
+        keep=request.keep,
+        python=python,
+        command=command,
+        pin_file=str(pin_path),
+        pin_source=pin_source,
+        head_before=head_before,
+    )
+
+
 def new_target(state: State) -> Target:
     upstream = load_upstream(Path(state.pin_file)) if Path(state.pin_file).exists() else None
     if upstream is None or not upstream.has_version(state.new):
