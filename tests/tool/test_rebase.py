@@ -30,6 +30,7 @@ from sglang_carry.registry import (
 )
 from sglang_carry.runner import Completed
 from sglang_carry.series import Entry, load_series
+from sglang_carry.verify.pytest_run import command_ids
 
 from .conftest import DEMO_FILES, DemoProject, git, make_wheel, patch_message, sha256_file
 
@@ -90,7 +91,7 @@ class FakeTests:
         if "pytest" in args:
             assert env is not None
             tree = Path(env["CARRY_TREE_DEMO"])
-            ids = tuple(args[list(args).index("no:cacheprovider") + 1 :])
+            ids = tuple(command_ids(args))
             self.runs.append((str(tree), ids))
             if any(test not in RULES for test in ids):
                 return Completed(tuple(args), 4, "", "ERROR: file or directory not found")

@@ -15,6 +15,7 @@ from sglang_carry.patching import export
 from sglang_carry.progress import SILENT, Recorder, Reporter
 from sglang_carry.runner import Completed
 from sglang_carry.verify import TreeTester, report_log_cases, selects, verify, verify_target
+from sglang_carry.verify.pytest_run import command_ids
 
 from .conftest import DemoProject, git, patch_message
 
@@ -291,7 +292,7 @@ def test_without_a_report_the_exit_code_decides_per_group(demo: DemoProject) -> 
 
     def exit_code_only(args: Sequence[str], **kwargs: Any) -> Completed:
         if "pytest" in args:  # writes no report, like a stand-in for pytest
-            ids = list(args[list(args).index("no:cacheprovider") + 1 :])
+            ids = command_ids(args)
             runs.append(ids)
             return Completed(tuple(args), 0 if set(ids) <= passing else 1, "", "")
         return demo.pip(args, **kwargs)

@@ -34,6 +34,16 @@ def report_log_cases(path: Path) -> dict[str, TestOutcome]:
     return cases
 
 
+def pytest_command(python: str, report: Path, tests: Sequence[str]) -> list[str]:
+    # `--` ends the options: every id after it is an id, whatever it looks like.
+    return [python, "-m", "pytest", f"--report-log={report}", "-q", "-p", "no:cacheprovider", "--", *tests]
+
+
+def command_ids(argv: Sequence[str]) -> list[str]:
+    """The test ids a `pytest_command` runs (what a stand-in for pytest reads)."""
+    return list(argv[list(argv).index("--") + 1 :])
+
+
 @dataclass(frozen=True)
 class PytestRun:
     """Per-id outcomes, or None with the problem when pytest did not get through its tests."""
@@ -54,12 +64,7 @@ def run_pytest(
     """Run ``tests`` in one pytest process. Without a readable report (a stand-in for pytest that
     writes none) the exit code still speaks for every id when it is 0, and for a ``whole`` part
     (one that is not split further) when it is 1."""
-    # The report option comes before the ids, so the command still ends `-p no:cacheprovider IDS`.
-    result = runner(
-        [python, "-m", "pytest", f"--report-log={report}", "-q", "-p", "no:cacheprovider", *tests],
-        cwd=root,
-        env=dict(env),
-    )
+    result = runner(pytest_command(python, report, tests), cwd=root, env=dict(env))
     problem = f"pytest exited {result.returncode}"
     if result.returncode in (0, 1):
         try:
