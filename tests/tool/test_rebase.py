@@ -19,7 +19,9 @@ from sglang_carry.git import Git
 from sglang_carry.patching import export
 from sglang_carry.pins import PinnedFile, Release, load_upstream
 from sglang_carry.rebase import Aborted, RebaseResult, Request, rebase, rebase_abort, rebase_continue
-from sglang_carry.rebase.report import drop_when_matches, with_applied_upstream_status
+from sglang_carry.rebase.journal import State
+from sglang_carry.rebase.outcome import Outcome, PatchResult
+from sglang_carry.rebase.report import drop_when_matches, render_report, with_applied_upstream_status
 from sglang_carry.registry import (
     IndexFile,
     fetch_url,
@@ -664,3 +666,23 @@ def test_a_dropped_entrys_message_has_git_replace_its_status_trailer(tmp_path: P
         "Fix nine\n\nWhy it was needed.\n\nApplied upstream in demo 1.2.\n\n"
         "Upstream-Status: Applied-Upstream\nBug: https://example.com/issue/9\nTest: tests/test_nine.py\n"
     )
+
+
+def test_the_report_counts_a_ported_entry_as_carried() -> None:
+    """An entry the recorded port carries (--check) is on the new line with its diff: with its
+    tests passing on the pristine tree it was kept (--keep), like one that applied."""
+    state = State("demo", "1.1", "1.2", True, sys.executable, "carry rebase --check 1.2", "demo.toml")
+    state.results = [
+        PatchResult("0001-a.patch", "A", Outcome.PORTED, "pass"),
+        PatchResult("0002-b.patch", "B", Outcome.CONFLICT, "pass"),
+    ]
+    report = render_report(state, [], "", "", verified=False)
+    assert "- `0001-a.patch`: its tests pass on the pristine 1.2 tree, but it was kept (--keep)." in report
+    assert "`0002-b.patch`: its tests pass" not in report
+    assert [o for o in Outcome if o.carried] == [
+        Outcome.CLEAN,
+        Outcome.THREE_WAY,
+        Outcome.RESOLVED,
+        Outcome.PORTED,
+    ]
+    assert [o for o in Outcome if o.dropped] == [Outcome.EMPTY, Outcome.FIXED_UPSTREAM]
