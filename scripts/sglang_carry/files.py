@@ -104,9 +104,19 @@ def replace_folder(folder: Path, files: dict[str, bytes], mode: int = 0o644) -> 
         shutil.rmtree(incoming, ignore_errors=True)
         raise
     with naming(folder):
-        if folder.exists():
-            os.rename(folder, outgoing)
-        os.rename(incoming, folder)
+        set_aside = False
+        try:
+            if folder.exists():
+                os.rename(folder, outgoing)
+                set_aside = True
+            os.rename(incoming, folder)
+        except BaseException:
+            # A swap that fails (a busy mount point, a folder made read-only) puts the old folder
+            # back itself: only a command killed in between leaves the two for the next to sort.
+            if set_aside and not folder.exists():
+                os.rename(outgoing, folder)
+            shutil.rmtree(incoming, ignore_errors=True)
+            raise
         shutil.rmtree(outgoing, ignore_errors=True)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -398,6 +399,33 @@ def test_a_full_disk_during_export_leaves_the_series_as_it_was(
     assert export(demo.project, demo.target()).exit_code == 0
     assert load_series(demo.root / "patches", "demo", "1.0").revision == 2
     assert (demo.series_dir / "REBASE.md").read_text() == "how this line was made\n"
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["setting-the-old-aside", "moving-the-new-in"])
+def test_an_export_whose_swap_fails_leaves_the_folder_as_it_was_and_nothing_beside_it(
+    demo: DemoProject, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failing: int
+) -> None:
+    """A busy mount point made the swap fail: export exited 1 but left .1.0.incoming/ beside the
+    folder, which status then called the leftover of a killed command."""
+    carry_two_patches(demo)
+    export(demo.project, demo.target())
+    demo.commit_change(CORE, "def answer():\n    return 43\n", patch_message("Change again"))
+    before = demo.snapshot(demo.series_dir)
+    renames: list[str] = []
+    real_rename = os.rename
+
+    def busy(source: Any, destination: Any) -> None:
+        renames.append(str(source))
+        if len(renames) == failing:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        real_rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", busy)
+    assert demo.carry("export", "demo") == 1
+    monkeypatch.undo()
+    assert "Device or resource busy" in capsys.readouterr().err
+    assert demo.snapshot(demo.series_dir) == before
+    assert [p.name for p in demo.series_dir.parent.iterdir()] == ["1.0"]
 
 
 def test_an_export_killed_while_it_swapped_folders_is_undone_by_the_next(demo: DemoProject) -> None:
