@@ -31,6 +31,8 @@ class Entry:
     trailers: dict[str, list[str]] = field(hash=False)
     has_diff: bool
     sha256: str
+    # What git says is wrong with its diff (a truncated or hand-edited patch), or None.
+    corrupt: str | None = None
 
     @property
     def status(self) -> str:
@@ -160,12 +162,21 @@ def parse_patch(
     come out decoded), the trailers through `git interpret-trailers --parse`."""
     git = Git(cwd or Path.cwd(), runner)
     mail = git.mailinfo(data.decode("utf-8", "surrogateescape"))
+    corrupt = None
+    if mail.patch.strip():
+        # Parsed by git without applying it, so a broken file is found before any branch is touched.
+        checked = git.run("apply", "--numstat", "-", stdin=mail.patch, check=False)
+        if checked.returncode != 0:
+            lines = checked.output.splitlines()
+            corrupt = next((line.strip() for line in lines if "corrupt patch" in line), None)
+            corrupt = corrupt or (lines[0].strip() if lines else f"git apply exited {checked.returncode}")
     return Entry(
         filename=filename,
         subject=mail.subject.strip(),
         trailers=parse_trailers(mail.subject, mail.body.splitlines(), runner, cwd),
         has_diff=bool(mail.patch.strip()),
         sha256=hashlib.sha256(data).hexdigest(),
+        corrupt=corrupt,
     )
 
 
@@ -274,6 +285,11 @@ def _check_entry(label: str, entry: Entry) -> None:
         raise CarryError(
             f"{where} is not a patch in git's mail format (it has no Subject: line): restore it with "
             f"`git checkout -- {where}`, or write it again with `carry export`"
+        )
+    if entry.corrupt is not None:
+        raise CarryError(
+            f"{where} is broken (git: {entry.corrupt}): restore it with `git checkout -- {where}`, or "
+            "write it again with `carry export`"
         )
     if entry.status not in STATUSES:
         raise CarryError(

@@ -444,7 +444,7 @@ def test_an_export_killed_while_it_swapped_folders_is_undone_by_the_next(demo: D
     assert [p.name for p in demo.series_dir.parent.iterdir()] == ["1.0"]
 
 
-def test_a_truncated_patch_says_what_git_says(demo: DemoProject) -> None:
+def test_a_truncated_patch_says_what_git_says(demo: DemoProject, capsys: pytest.CaptureFixture[str]) -> None:
     """It said "does not apply", with git's "corrupt patch at line N" hidden, and advised
     resolving a conflict that does not exist."""
     carry_two_patches(demo)
@@ -452,12 +452,20 @@ def test_a_truncated_patch_says_what_git_says(demo: DemoProject) -> None:
     patch = demo.series_dir / "0001-Fix-the-answer.patch"
     text = patch.read_text()
     patch.write_text(text[: text.index("+    return 42")] + "+    return 4")  # cut inside the hunk
+    tip = git(demo.checkout, "rev-parse", "carry/1.0").stdout
     with pytest.raises(CarryError) as refused:
         apply(demo.project, demo.target())
     message = str(refused.value)
     assert "0001-Fix-the-answer.patch is broken (git: error: corrupt patch at line" in message
     assert "git checkout -- patches/demo/1.0/0001-Fix-the-answer.patch" in message
     assert Git(demo.checkout).operation_in_progress() is None  # nothing left half-done
+    # Found when the series is read: the branch is not touched, and status calls it BROKEN.
+    assert git(demo.checkout, "rev-parse", "carry/1.0").stdout == tip
+    assert not git(demo.checkout, "branch", "--list", "carry-backup/*").stdout
+    assert demo.carry("status", "demo") == 1
+    assert "series    BROKEN: patches/demo/1.0/0001-Fix-the-answer.patch is broken (git: error: corrupt" in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_file_that_is_not_a_patch_at_all(demo: DemoProject) -> None:
