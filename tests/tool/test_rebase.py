@@ -8,7 +8,10 @@ import json
 import os
 import re
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from email.message import Message
 from pathlib import Path
 
 import pytest
@@ -686,3 +689,21 @@ def test_the_report_counts_a_ported_entry_as_carried() -> None:
         Outcome.PORTED,
     ]
     assert [o for o in Outcome if o.dropped] == [Outcome.EMPTY, Outcome.FIXED_UPSTREAM]
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [(404, "does not exist (HTTP 404): check the package name and the index"), (503, "answered HTTP 503")],
+)
+def test_an_index_that_answers_an_http_error_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, code: int, says: str
+) -> None:
+    """A 404 said "check the network", where the name or the index is what is wrong."""
+    url = "https://pypi.org/simple/nosuchpackage/"
+
+    def answering(request: urllib.request.Request, timeout: float) -> None:
+        raise urllib.error.HTTPError(url, code, "an error", Message(), None)
+
+    monkeypatch.setattr(urllib.request, "urlopen", answering)
+    with pytest.raises(CarryError, match=re.escape(f"{url} {says}")):
+        fetch_url(url)
