@@ -216,7 +216,7 @@ class Nightly:
         result = StepResult(PASS if built else FAIL, why, seconds, str(log))
         self.results.setdefault(row, {})["build"] = result
         if built is not None:
-            self.keep_artifacts(row, result, built)
+            self.keep_artifacts(row, line, result, built)
 
     def _skip(self, row: str, step: str, reason: str) -> None:
         self.results.setdefault(row, {})[step] = StepResult(SKIPPED, reason)
@@ -344,10 +344,10 @@ class Nightly:
             ],
         )
 
-    def keep_artifacts(self, row: str, build: StepResult, built: BuildResult) -> None:
+    def keep_artifacts(self, row: str, line: Line, build: StepResult, built: BuildResult) -> None:
         """The build's artifacts copied into wheels/; the one for this interpreter is the line's
         wheel, the one the e2e step installs."""
-        here = next((a for a in built.artifacts if a.for_this_interpreter), None)
+        here = built.here(line.name)
         if here is None:
             build.status, build.reason = FAIL, "the build made no artifact for this interpreter"
             return

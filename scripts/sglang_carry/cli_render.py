@@ -10,6 +10,7 @@ from typing import TextIO
 
 from .build import BuildResult
 from .fetch import FetchResult
+from .kinds import WHEEL, kind_of
 from .patching import Applied, Exported
 from .rebase import Aborted, RebaseResult
 from .rebase.report import render_patch_table
@@ -67,7 +68,7 @@ def text_lines(result: CommandResult, root: Path) -> list[str]:
         return result.describe()
     if isinstance(result, BuildResult):
         # Artifact paths last, wheels at the very end, so scripts and users can take the last line.
-        ordered = sorted(result.artifacts, key=lambda a: (a.path.suffix == ".whl", a.path.name))
+        ordered = sorted(result.artifacts, key=lambda a: (kind_of(a.path.name) is WHEEL, a.path.name))
         return [str(shown_path(artifact.path, root)) for artifact in ordered]
     if isinstance(result, VerifyResult):
         if not result.rows:

@@ -35,6 +35,7 @@ from sglang_carry.registry import (
 )
 from sglang_carry.runner import Completed
 from sglang_carry.series import Entry, load_series
+from sglang_carry.verify import TestOutcome
 from sglang_carry.verify.pytest_run import command_ids
 
 from .conftest import DEMO_FILES, DemoProject, git, make_wheel, patch_message, sha256_file
@@ -676,8 +677,8 @@ def test_the_report_counts_a_ported_entry_as_carried() -> None:
     tests passing on the pristine tree it was kept (--keep), like one that applied."""
     state = State("demo", "1.1", "1.2", True, sys.executable, "carry rebase --check 1.2", "demo.toml")
     state.results = [
-        PatchResult("0001-a.patch", "A", Outcome.PORTED, "pass"),
-        PatchResult("0002-b.patch", "B", Outcome.CONFLICT, "pass"),
+        PatchResult("0001-a.patch", "A", Outcome.PORTED, TestOutcome.PASS),
+        PatchResult("0002-b.patch", "B", Outcome.CONFLICT, TestOutcome.PASS),
     ]
     report = render_report(state, [], "", "", verified=False)
     assert "- `0001-a.patch`: its tests pass on the pristine 1.2 tree, but it was kept (--keep)." in report

@@ -23,6 +23,7 @@ from ..project import Project, Target, default_target
 from ..registry import Fetcher, append_release, fetch_url, index_files, index_url, newest_version
 from ..runner import Runner, run_subprocess
 from ..testenv import test_python
+from ..verify import NONE
 from . import check as check_in_scratch
 from .journal import (
     STATE_FILE,
@@ -166,7 +167,7 @@ def rebase_continue(
         label = f"{series.label}/{entry.filename}"
         _take_resolution(git, target, state, label)
         result = PatchResult(
-            entry.filename, entry.subject, Outcome.RESOLVED, state.pristine.get(entry.filename, "-"),
+            entry.filename, entry.subject, Outcome.RESOLVED, state.pristine.get(entry.filename, NONE),
             drop_when_matches(entry, state.name, state.new), resolved_files=list(state.conflict_files),
         )  # fmt: skip
         tip = git.rev("HEAD")

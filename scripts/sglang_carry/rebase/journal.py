@@ -15,6 +15,7 @@ from ..errors import CarryError
 from ..git import Git
 from ..project import Project
 from ..runner import Runner
+from ..verify.plan import TestOutcome
 from .outcome import Outcome, PatchResult
 
 STATE_FILE = "rebase.json"
@@ -38,7 +39,7 @@ class State:
     created_download: str | None = None
     # The branch (refs/heads/...) or commit the checkout had checked out before.
     head_before: str = ""
-    pristine: dict[str, str] = field(default_factory=dict)
+    pristine: dict[str, TestOutcome] = field(default_factory=dict)
     results: list[PatchResult] = field(default_factory=list)
     next_index: int = 0
     stopped_at: str | None = None
@@ -56,8 +57,13 @@ class State:
         results = []
         for raw in data.get("results", []):
             outcome = raw.get("outcome")
-            results.append(PatchResult(**(raw | {"outcome": Outcome(outcome) if outcome else None})))
+            outcomes = {
+                "outcome": Outcome(outcome) if outcome else None,
+                "pristine": TestOutcome(raw["pristine"]),
+            }
+            results.append(PatchResult(**(raw | outcomes)))
         data["results"] = results
+        data["pristine"] = {name: TestOutcome(value) for name, value in data.get("pristine", {}).items()}
         return cls(**{key: value for key, value in data.items() if key in names})
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..verify.plan import TestOutcome
+
 
 class Outcome(enum.StrEnum):
     CLEAN = "clean"
@@ -48,7 +50,7 @@ class PatchResult:
     filename: str
     subject: str
     outcome: Outcome | None  # None until the entry is replayed
-    pristine: str
+    pristine: TestOutcome  # its tests on the pristine new tree
     drop_when: list[str] = field(default_factory=list)
     note: str = ""
     change: str = ""

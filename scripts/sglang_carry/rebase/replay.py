@@ -14,7 +14,7 @@ from ..progress import Reporter
 from ..project import Project, Target
 from ..runner import Runner
 from ..series import Entry, Series
-from ..verify import PASS
+from ..verify import NONE, PASS
 from .journal import ConflictStop, State, save
 from .outcome import Outcome, PatchResult
 from .report import (
@@ -75,7 +75,7 @@ def _replay_one(
     """Put one entry on the new branch and say how it went."""
     git, state = session.git, session.state
     patch = series.directory / entry.filename
-    pristine = state.pristine.get(entry.filename, "-")
+    pristine = state.pristine.get(entry.filename, NONE)
     result = PatchResult(
         entry.filename, entry.subject, None, pristine, drop_when_matches(entry, state.name, state.new)
     )

@@ -15,6 +15,7 @@ from packaging.version import Version
 from ..git import Git
 from ..series import APPLIED_UPSTREAM, Entry
 from ..tables import markdown_row, text_table
+from ..verify.plan import PASS, TestOutcome
 from .journal import State
 from .outcome import Outcome, PatchResult
 
@@ -60,9 +61,9 @@ def evidence_for_fixed(entry: Entry, name: str, old: str, new: str) -> str:
     )
 
 
-def evidence_for_empty(entry: Entry, name: str, old: str, new: str, pristine: str) -> str:
+def evidence_for_empty(entry: Entry, name: str, old: str, new: str, pristine: TestOutcome) -> str:
     tests = (
-        f"its tests ({' '.join(entry.tests)}) {'pass' if pristine == 'pass' else 'give ' + pristine} there"
+        f"its tests ({' '.join(entry.tests)}) {'pass' if pristine == PASS else f'give {pristine}'} there"
         if entry.tests
         else "it names no tests"
     )
@@ -157,14 +158,14 @@ def render_report(
             else f"its diff is already in {new} (its tests: {result.pristine} on pristine {new})"
         )
         out.append(f"- `{result.filename}` ({result.subject}): {why}; recorded Applied-Upstream, no diff.")
-    kept = [r for r in state.results if r.pristine == "pass" and r.outcome is not None and r.outcome.carried]
+    kept = [r for r in state.results if r.pristine == PASS and r.outcome is not None and r.outcome.carried]
     for result in kept:
         out.append(
             f"- `{result.filename}`: its tests pass on the pristine {new} tree, but it was kept (--keep)."
         )
     if not drops and not kept:
         out.append(f"None: no entry's tests pass on the pristine {new} tree.")
-    regressed = [r for r in state.results if r.outcome is Outcome.APPLIED_UPSTREAM and r.pristine != "pass"]
+    regressed = [r for r in state.results if r.outcome is Outcome.APPLIED_UPSTREAM and r.pristine != PASS]
     if regressed:
         out += ["", "**Upstream regressed?** These Applied-Upstream entries' tests do not pass on "
                 f"pristine {new}:", ""]  # fmt: skip

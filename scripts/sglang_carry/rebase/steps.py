@@ -17,7 +17,7 @@ from ..pins import Release, Upstream, load_upstream, select_file
 from ..project import Project, Target
 from ..registry import Fetcher, index_files, index_url, release_from_index
 from ..series import Entry, Series
-from ..verify import ERROR, FAIL, PASS, TreeTester, Verdict, render_table, verify_target
+from ..verify import ERROR, FAIL, PASS, TestOutcome, TreeTester, Verdict, render_table, verify_target
 from .journal import State
 from .outcome import Outcome, PatchResult
 from .replay import ConflictPolicy, Session, replay
@@ -162,7 +162,7 @@ def run(session: Session, policy: ConflictPolicy) -> RebaseResult:
     return finish(session, target)
 
 
-def _pristine_outcomes(session: Session, target: Target, series: Series) -> dict[str, str]:
+def _pristine_outcomes(session: Session, target: Target, series: Series) -> dict[str, TestOutcome]:
     """Each entry's tests on the pristine new tree: pass means upstream has the fix."""
     tested = [entry for entry in series.entries if entry.tests]
     if not tested:
@@ -182,11 +182,11 @@ def _pristine_outcomes(session: Session, target: Target, series: Series) -> dict
     return found
 
 
-def entry_outcomes(tester: TreeTester, commit: str, entries: Sequence[Entry]) -> dict[str, str]:
+def entry_outcomes(tester: TreeTester, commit: str, entries: Sequence[Entry]) -> dict[str, TestOutcome]:
     """Each entry's outcome at ``commit``: pass only if all its test ids pass, in one pytest run."""
     ids = list(dict.fromkeys(test for entry in entries for test in entry.tests))
     per_id = tester.outcomes(commit, ids)
-    combined: dict[str, str] = {}
+    combined: dict[str, TestOutcome] = {}
     for entry in entries:
         found = [per_id.get(test, ERROR) for test in entry.tests]
         combined[entry.filename] = ERROR if ERROR in found else (PASS if set(found) == {PASS} else FAIL)
