@@ -86,21 +86,38 @@ def collect_changes(project: Project, target: Target, git: Git) -> Changes:
     )
 
 
+@dataclass(frozen=True)
+class _Line:
+    """What every artifact of one line is built from: read and checked once per line."""
+
+    series: Series
+    changes: Changes
+    local_version: str
+
+
+def _ready_line(project: Project, target: Target, runner: Runner) -> _Line:
+    series = project.series(target.release, runner)
+    git = require_line_ready(project, target, series, runner, "carry build")
+    changes = collect_changes(project, target, git)
+    return _Line(series, changes, f"{target.version}+carry.{series.revision}")
+
+
 def build(
     project: Project, target: Target, runner: Runner = run_subprocess, pinned: PinnedFile | None = None
 ) -> Path:
     """Build the patched artifact from ``pinned`` (default: the pinned file for this interpreter)."""
-    series = project.series(target.release, runner)
-    git = require_line_ready(project, target, series, runner, "carry build")
-    pinned = pinned or select_file(target.release)
+    return _build_from(
+        project, target, _ready_line(project, target, runner), pinned or select_file(target.release)
+    )
+
+
+def _build_from(project: Project, target: Target, line: _Line, pinned: PinnedFile) -> Path:
     source = project.downloads_dir / pinned.filename
     if not source.exists():
         raise CarryError(f"{pinned.filename} is not downloaded: run `carry fetch` first")
     check_hash(source, pinned, "cached download")
-    local_version = f"{target.version}+carry.{series.revision}"
-    final = project.dist_dir / artifact_name(source, target.version, local_version)
-    changes = collect_changes(project, target, git)
-    record = provenance(target, series, source, pinned.sha256, local_version, changes)
+    final = project.dist_dir / artifact_name(source, target.version, line.local_version)
+    record = provenance(target, line.series, source, pinned.sha256, line.local_version, line.changes)
     project.scratch_dir.mkdir(parents=True, exist_ok=True)
     # Built in build/, then copied into dist/ and renamed there: dist/ never holds a partial file,
     # even when it is on another filesystem than build/.
@@ -110,7 +127,7 @@ def build(
     try:
         # A full build/ names the file being written, not "a file".
         with naming(partial):
-            repack = Repack(target.name, target.version, local_version, changes, record)
+            repack = Repack(target.name, target.version, line.local_version, line.changes, record)
             pinned.kind.repack(source, partial, repack)
         _place_in_dist(project, partial, final)
     finally:
@@ -175,11 +192,12 @@ def build_all(
                 f"{target.version}, the newest line with one (--upstream VERSION picks another)"
             )
         here = select_file(target.release)
+        line = _ready_line(project, target, runner)
         for pinned in target.release.files if all_platforms else (here,):
             watch = Stopwatch()
             if all_platforms:
                 download(project, target, pinned, runner, report)
-            path = build(project, target, runner, pinned)
+            path = _build_from(project, target, line, pinned)
             report.step(f"build: {target.label}: {path.name} ({watch})")
             built.append(
                 BuiltArtifact(
