@@ -178,7 +178,7 @@ def _add_rebase_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _rebase(project: Project, args: argparse.Namespace) -> CommandResult:
-    report = ConsoleReporter(sys.stderr) if args.json else ConsoleReporter()
+    report = _reporter(args)
     if args.resume or args.abort:
         if (args.resume and args.abort) or args.new or args.check:
             raise CarryError(
