@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CarryError
-from .git import Git
+from .git import Git, summarize_git_output
 from .runner import Runner, run_subprocess
 
 SERIES_FILE = "series"
@@ -169,26 +169,22 @@ def parse_patch(
         if checked.returncode != 0:
             lines = checked.output.splitlines()
             corrupt = next((line.strip() for line in lines if "corrupt patch" in line), None)
-            corrupt = corrupt or (lines[0].strip() if lines else f"git apply exited {checked.returncode}")
+            corrupt = corrupt or summarize_git_output(checked.output)
     return Entry(
         filename=filename,
         subject=mail.subject.strip(),
-        trailers=parse_trailers(mail.subject, mail.body.splitlines(), runner, cwd),
+        trailers=parse_trailers(git, mail.message),
         has_diff=bool(mail.patch.strip()),
         sha256=hashlib.sha256(data).hexdigest(),
         corrupt=corrupt,
     )
 
 
-def parse_trailers(
-    subject: str, body: Sequence[str], runner: Runner = run_subprocess, cwd: Path | None = None
-) -> dict[str, list[str]]:
-    """Trailers of a commit message, exactly as git sees them (continuation lines unfolded)."""
-    # git takes the first paragraph for the title, never for trailers, so the subject goes first.
-    commit_message = subject + "\n\n" + "".join(f"{line}\n" for line in body)
-    parsed = Git(cwd or Path.cwd(), runner).out("interpret-trailers", "--parse", stdin=commit_message)
+def parse_trailers(git: Git, message: str) -> dict[str, list[str]]:
+    """Trailers of a commit message (subject, blank line, body), exactly as git sees them
+    (continuation lines unfolded)."""
     trailers: dict[str, list[str]] = {}
-    for line in parsed.splitlines():
+    for line in git.out("interpret-trailers", "--parse", stdin=message).splitlines():
         key, _, value = line.partition(":")
         trailers.setdefault(key.strip(), []).append(value.strip())
     return trailers
