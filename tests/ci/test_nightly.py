@@ -414,3 +414,20 @@ def test_the_library_reads_this_checkouts_status_as_its_schema_writes_it() -> No
     record = nightly.Library(ROOT).status_record()
     jsonschema.validate(record, json.loads((ROOT / "ci" / "schemas" / "status.schema.json").read_text()))
     assert {line["name"] for line in record["lines"]} == {"sglang", "kvcached"}
+
+
+def test_a_build_with_no_artifact_for_this_interpreter_fails_its_step(tmp_path: Path) -> None:
+    """The e2e installs the host's artifact: a build that made none must not pass."""
+    project = FakeProject(tmp_path)
+    real_build = project.build
+
+    def only_other_platforms(name: str, version: str, report: Reporter) -> BuildResult:
+        built = real_build(name, version, report)
+        return BuildResult(tuple(a for a in built.artifacts if not a.for_this_interpreter))
+
+    project.build = only_other_platforms  # type: ignore[method-assign]
+    code, summary, _ = run(tmp_path, project, simple_index("0.5.21"), no_gpu=True)
+    assert code == 1
+    build = summary["lines"]["sglang 0.5.20"]["build"]
+    assert (build["status"], build["reason"]) == ("fail", "the build made no artifact for this interpreter")
+    assert "sglang 0.5.20" not in summary["wheels"]
