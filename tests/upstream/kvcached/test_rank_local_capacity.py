@@ -46,11 +46,15 @@ class FakeKVCacheManager:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        self.mappable = num_blocks  # what the GPU can still map: a co-tenant lowers it
 
     def clear(self) -> None:
         pass
 
     def available_size(self) -> int:
+        return min(self.num_blocks, self.mappable)
+
+    def virtual_available_size(self) -> int:
         return self.num_blocks
 
 
@@ -277,3 +281,50 @@ def test_plain_sglang_pools_do_not_declare_rank_local_capacity() -> None:
     assert not hasattr(kvcache, "kvcached_allocator")
     for plain in (kvcache, token, paged):
         assert _rank_local(plain) is not True
+
+
+def _scheduler_reads(allocator: Any, req_to_token_pool: Any) -> list[Any]:
+    """The pools whose free space the carried scheduler agrees on (Scheduler._prefill_agreement)."""
+    from sglang.srt.mem_cache.allocator.base import rank_local_pools
+
+    pools = [allocator, allocator.get_kvcache(), req_to_token_pool]
+    pools += [getattr(req_to_token_pool, name, None) for name in ("mamba_pool", "mamba_allocator")]
+    return [
+        part
+        for pool in pools
+        if pool is not None
+        for part in rank_local_pools(pool)
+        if callable(getattr(part, "available_size", None))
+    ]
+
+
+@pytest.mark.parametrize("page_size", [1, PAGE])
+def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
+    elastic: types.ModuleType, page_size: int
+) -> None:
+    """Each elastic pool whose free space the scheduler's ranks agree on has a reading that only
+    its own calls change (`uniform_available_size`: the manager's virtual space), beside its real
+    one (the least of that and the GPU memory left to map). A co-tenant lowers the real reading
+    only. The carried scheduler's ledger takes every one of them (a pool without it is refused)."""
+    from sglang.srt.mem_cache.allocation import AgreedCapacity
+
+    req_to_token_pool = _hybrid_req_to_token_pool()
+    kvcache = _mha_pool(elastic.MHATokenToKVPool)
+    if page_size == 1:
+        allocator = alloc_pkg.TokenToKVPoolAllocator(TOKENS, torch.bfloat16, "cpu", kvcache, False)
+    else:
+        allocator = alloc_pkg.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False)
+    read = _scheduler_reads(allocator, req_to_token_pool)
+    assert {type(pool).__name__ for pool in read} >= {
+        type(allocator).__name__,
+        "ElasticMambaPool",
+        "ElasticMambaSlotAllocator",
+    }
+    for pool in read:
+        uniform, real = pool.uniform_available_size(), pool.available_size()
+        assert uniform == real > 0, type(pool).__name__
+    for manager in {id(m): m for m in (allocator.kvcached_allocator, req_to_token_pool.mamba_pool.kvcached_allocator)}.values():
+        manager.mappable = 1  # a co-tenant maps this GPU's memory away
+    for pool in read:
+        assert pool.available_size() < pool.uniform_available_size(), type(pool).__name__
+    AgreedCapacity(read)

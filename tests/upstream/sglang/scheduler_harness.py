@@ -521,6 +521,44 @@ class HarnessConfig:
     mamba_state_size: int = 4
 
 
+class PhysicalMemory:
+    """The hardware boundary of a kvcached-shaped (rank-local) KV allocator: the GPU memory it maps
+    on demand, shared with co-tenant engines. The allocator's own free list is its free virtual
+    space (`uniform_available_size`, what its own allocations and frees change, alike on every
+    rank); its real free space (`available_size`) is the least of that and what this GPU can still
+    map, which is the virtual space less what co-tenants took; an allocation beyond the real free
+    space misses, returning None having taken nothing (kvcached's contract). `taken` is read at
+    every reading, so a test can make it drift between any two reads, as kvcached's TTL-cached
+    physical reading does."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.uniform: Callable[[], int] = allocator.available_size
+        self.taken: Callable[[], int] = lambda: 0
+        self.reads = 0
+        real_alloc = allocator.alloc
+
+        def alloc(need_size: int, *args: Any, **kwargs: Any) -> Any:
+            if need_size > self.available():
+                return None
+            return real_alloc(need_size, *args, **kwargs)
+
+        allocator.uniform_available_size = self.uniform
+        allocator.available_size = self.available
+        allocator.alloc = alloc
+
+    def available(self) -> int:
+        self.reads += 1
+        return max(0, self.uniform() - self.taken())
+
+    def take(self, tokens: int) -> None:
+        """A co-tenant maps `tokens` of this GPU's memory away (0: gives it all back)."""
+        self.taken = lambda: tokens
+
+    def drift(self, readings: Iterator[int]) -> None:
+        """What co-tenants hold changes at every reading: the next of `readings` each time."""
+        self.taken = lambda: next(readings)
+
+
 @dataclass
 class Harness:
     cfg: HarnessConfig
@@ -535,6 +573,7 @@ class Harness:
     _stack: contextlib.ExitStack
     _rid_counter: Iterator[int] = field(default_factory=itertools.count)
     last_batch: ScheduleBatch | None = None  # the batch the last run_round returned
+    physical: PhysicalMemory | None = None  # the KV allocator's GPU memory (elastic=True only)
 
     # ---- requests and rounds ------------------------------------------------------------
     def make_req(
@@ -1117,8 +1156,10 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
 
     model_config = ModelConfig.from_server_args(server_args)  # what init_model_config does (:781)
     req_to_token_pool, allocator = _build_pools(cfg, model_config)
+    physical = None
     if cfg.elastic:
         allocator.rank_local_capacity = True
+        physical = PhysicalMemory(allocator)
     worker = CpuModelWorker(CpuModelRunner(attn_backend=object(), forward_stream=forward_stream))
 
     # kv_cache_builder.py:303-355: the params and the registry call build_kv_cache makes.
@@ -1169,6 +1210,7 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
         transfer_engine=engines[0] if engines else None,
         build_seconds=time.perf_counter() - t0,
         _stack=stack,
+        physical=physical,
     )
 
 

@@ -19,6 +19,7 @@ which pin what the patch must leave alone.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import traceback
 import types
 from collections.abc import Iterator
@@ -205,15 +206,15 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
 
 @contextlib.contextmanager
 def _cotenant(h: sh.Harness, leave_free: int) -> Iterator[None]:
-    """Another engine maps this rank's KV memory away until `leave_free` tokens are free (what a
-    kvcached co-tenant does to one GPU); it gives them back on exit."""
-    allocator = h.token_to_kv_pool_allocator
-    taken = allocator.alloc(allocator.available_size() - leave_free)
-    assert taken is not None
+    """Another engine maps this rank's GPU memory away until `leave_free` tokens of its KV pool
+    can still be mapped (what a kvcached co-tenant does to one GPU: the pool's own free list is
+    untouched); it gives the memory back on exit."""
+    assert h.physical is not None, "a co-tenant needs an elastic pool"
+    h.physical.take(h.physical.uniform() - leave_free)
     try:
         yield
     finally:
-        allocator.free(taken)
+        h.physical.take(0)
 
 
 def _session_slots(h: sh.Harness) -> dict[str, bool] | None:
@@ -261,6 +262,8 @@ def _rank_body(names: list[str]) -> Any:
             if name in MULTI_ROUND_SCENARIOS:
                 groups = _groups("tp", rank, world, pair, singles)
                 chunk: dict[str, Any] = {"chunked_prefill_size": CHUNK} if name in CHUNKED_SCENARIOS else {}
+                if name in KV_TOKENS:
+                    chunk["kv_tokens"] = KV_TOKENS[name]
                 with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
                     return MULTI_ROUND_SCENARIOS[name](h, rank)
             scenario = RANK_SCENARIOS[name]
@@ -424,9 +427,9 @@ def _skewed_eviction(h: sh.Harness, rank: int) -> dict[str, Any]:
 
 def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Right after the ranks agreed on their free space, before admission, a co-tenant takes
-    nearly all of rank 0's (the race no agreement can see coming). That round rank 0 admits
-    nothing while rank 1 admits: both put it back, both count it, no request is charged. The
-    co-tenant then leaves; the next round agrees again, and both ranks do the same."""
+    nearly all of rank 0's (the race no agreement can see coming). Both ranks admit by the agreed
+    ledger, so alike; rank 0's allocation misses. The co-tenant then leaves; the next round
+    agrees again, and both ranks do the same."""
     sched = h.scheduler
     reqs = [h.add_request(_prompt(i)) for i in range(3)]
     with contextlib.ExitStack() as stack:
@@ -513,10 +516,9 @@ def _cotenant_within_a_round(h: sh.Harness, rank: int) -> dict[str, Any]:
 
 def _cotenant_between_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
     """A round runs alike on both ranks, and its vote carries their free space to the next
-    round. Before that next round, a co-tenant takes most of rank 0's memory: the carried
-    agreement no longer holds, the ranks' admissions differ and the round is put back on both,
-    charged to no request; the round after agrees afresh before admitting, and both ranks run
-    the same batch, what fits rank 0."""
+    round. Before that next round, a co-tenant takes most of rank 0's memory: both ranks admit by
+    the carried ledger, rank 0's allocation misses and the round is put back on both; the round
+    after agrees afresh before admitting, and both ranks run the same batch, what fits rank 0."""
     h.add_request(_prompt(9))
     first = h.run_round()
     assert first is not None
@@ -562,7 +564,81 @@ def _idle_round_keeps_the_cap(h: sh.Harness, rank: int) -> dict[str, Any]:
     return result
 
 
+def _drifting(start: int) -> Iterator[int]:
+    """What co-tenants hold of rank 0's GPU, changing at every reading (kvcached caches its
+    physical reading for 100 ms, refreshed by its own and not by a sibling's calls)."""
+    return itertools.cycle([start + step for step in (0, 3, 1, 4, 2)])
+
+
+def _drift_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Rank 0's real free space drifts at every reading, near capacity; rank 1's holds. Every
+    round admits, allocates and finishes requests of several sizes. What each decision reads
+    (the pools' free space) and what each round admitted must be the same on both ranks."""
+    if rank == 0:
+        assert h.physical is not None
+        h.physical.drift(_drifting(h.physical.uniform() - 170))
+    rounds: list[Any] = []
+    readings: list[int] = []
+    pending = [h.add_request(_prompt(i, 30 + 7 * (i % 4))) for i in range(12)]
+    for _ in range(16):
+        batch = h.run_round()
+        readings.append(h.token_to_kv_pool_allocator.available_size())
+        rounds.append(None if batch is None else [r.rid for r in batch.reqs])
+        for req in [] if batch is None else batch.reqs:
+            h.finish_request(req)
+        h.prepare_next_round()
+        if not h.scheduler.waiting_queue:
+            break
+    return {
+        "rounds": rounds,
+        "readings": readings,
+        "divergences": h.scheduler.num_prefill_divergences,
+        "left": len(pending) - sum(len(r) for r in rounds if r),
+    }
+
+
+def _decode_after_vote(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """A prefill round runs alike; while it allocates, a co-tenant takes nearly all of rank 0's
+    memory, and from then on rank 0's real reading drifts at every read. The round's vote agrees
+    on the least free space; the running batch's next decode step needs more than that, so it
+    retracts: by the agreed ledger, the same requests on both ranks (by rank 0's drifting real
+    reading, different requests at each try)."""
+    sched = h.scheduler
+    sched.enable_skip_finishing_decode = False
+    sched.decode_offload_manager = None
+    reqs = [h.add_request(_prompt(i, 40)) for i in range(5)]
+    with contextlib.ExitStack() as stack:
+        if rank == 0:
+            settle = sched._settle_prefill_round
+
+            def lose_memory_then_settle(batch: Any, allocated: bool) -> Any:
+                assert h.physical is not None
+                h.physical.drift(_drifting(h.physical.uniform() - 4))
+                return settle(batch, allocated)
+
+            stack.enter_context(mock.patch.object(sched, "_settle_prefill_round", lose_memory_then_settle))
+        batch = h.run_round()
+    assert batch is not None and len(batch.reqs) > 1
+    for req in batch.reqs:  # what the prefill's result does: each request has its first token
+        req.output_ids.append(7)
+    h.prepare_next_round()
+    sched.running_batch = batch
+    before = h.token_to_kv_pool_allocator.available_size()
+    running = [r.rid for r in batch.reqs]
+    sched.update_running_batch(batch)
+    return {
+        "running": running,
+        "queued": [r.rid for r in reqs if r.rid not in running],
+        "before": before,
+        "kept": [r.rid for r in batch.reqs],
+        "retracted": sorted(set(running) - {r.rid for r in batch.reqs}),
+        "after": h.token_to_kv_pool_allocator.available_size(),
+    }
+
+
 MULTI_ROUND_SCENARIOS = {
+    "tp_drift_rounds": _drift_rounds,
+    "tp_decode_after_vote": _decode_after_vote,
     "tp_skewed_eviction": _skewed_eviction,
     "tp_cotenant_race": _cotenant_race,
     "tp_cotenant_between_rounds": _cotenant_between_rounds,
@@ -573,6 +649,8 @@ MULTI_ROUND_SCENARIOS = {
 
 
 CHUNKED_SCENARIOS = {"tp_trees_differ"}
+# Built with a pool this size (the default else).
+KV_TOKENS = {"tp_drift_rounds": 256, "tp_decode_after_vote": 256}
 
 
 def test_ranks_with_different_free_space_evict_alike(two_ranks: TwoRanks) -> None:
@@ -594,6 +672,20 @@ def test_ranks_whose_trees_differ_never_run_the_batch(two_ranks: TwoRanks) -> No
         assert r["charged"] == 0
 
 
+def test_a_drifting_reading_admits_alike_on_every_rank(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_drift_rounds")
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]
+    assert ranks[0]["readings"] == ranks[1]["readings"]
+    for r in ranks.values():
+        assert r["divergences"] == 0 and r["left"] == 0
+
+
+def test_a_drifting_reading_retracts_alike_on_every_rank(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_decode_after_vote")
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["retracted"] != []  # the agreed free space fits no step of the whole batch
+
+
 def test_a_round_where_no_rank_admits_keeps_the_cap(two_ranks: TwoRanks) -> None:
     ranks = two_ranks.scenario("tp_idle_round")
     for r in ranks.values():
@@ -601,12 +693,15 @@ def test_a_round_where_no_rank_admits_keeps_the_cap(two_ranks: TwoRanks) -> None
         assert r["idle"] is None and r["cap_after_idle"] == r["cap_after_unwind"]
 
 
-def test_a_cotenant_race_is_put_back_and_counted_on_every_rank(two_ranks: TwoRanks) -> None:
+def test_a_cotenant_race_is_one_miss_agreed_on_every_rank(two_ranks: TwoRanks) -> None:
+    """Both ranks admit by the agreed ledger, so they admit the same batch although rank 0 lost
+    its memory after the agreement: rank 0's allocation misses, the vote puts the batch back on
+    both, charged alike (a miss, not a divergence), and the next round agrees afresh."""
     ranks = two_ranks.scenario("tp_cotenant_race")
     for r in ranks.values():
         assert r["batch"] is None
-        assert r["unwinds"] == 1 and r["divergences"] == 1  # rank 0 admitted nothing, counts too
-        assert r["charged"] == [0, 0, 0]
+        assert r["unwinds"] == 1 and r["divergences"] == 0
+    assert ranks[0]["charged"] == ranks[1]["charged"] != [0, 0, 0]
     assert ranks[0]["queue"] == ranks[1]["queue"]
     assert ranks[0]["agreed"] == ranks[1]["agreed"]
 
@@ -614,9 +709,10 @@ def test_a_cotenant_race_is_put_back_and_counted_on_every_rank(two_ranks: TwoRan
 def test_a_cotenant_between_rounds_costs_one_put_back_round(two_ranks: TwoRanks) -> None:
     ranks = two_ranks.scenario("tp_cotenant_between_rounds")
     for r in ranks.values():
-        assert r["rounds"][0] is None and r["unwinds"] == 1 and r["charged"] == [0, 0, 0, 0]
+        assert r["rounds"][0] is None and r["unwinds"] == 1
         assert r["rounds"][1] is not None and 0 < len(r["rounds"][1]) < 4  # what fits rank 0
     assert ranks[0]["rounds"] == ranks[1]["rounds"]
+    assert ranks[0]["charged"] == ranks[1]["charged"]
 
 
 def test_the_vote_carries_the_free_space_the_round_ended_with(two_ranks: TwoRanks) -> None:
@@ -649,6 +745,9 @@ def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
         if declaring is None:
             pytest.skip(f"this line has no {pool}")
         declaring.rank_local_capacity = True
+        if callable(getattr(declaring, "available_size", None)):
+            # sglang's own pools count their free space from their own calls, alike on every rank
+            declaring.uniform_available_size = declaring.available_size
         votes: list[list[int]] = []
         real = h.tree_cache._all_reduce_attn_groups
 
@@ -759,3 +858,62 @@ def test_a_composite_pool_answers_for_its_parts() -> None:
     static, elastic = types.SimpleNamespace(), types.SimpleNamespace(rank_local_capacity=True)
     kv_pool.full_kv_pool, kv_pool.swa_kv_pool = static, elastic
     assert has_rank_local_capacity(kv_pool) and rank_local_pools(kv_pool) == [elastic]
+
+
+class _ElasticMambaPool:
+    """kvcached's elastic Mamba state pool at its boundary: free slots of its own, and the GPU
+    memory to map them, which a co-tenant shares."""
+
+    rank_local_capacity = True
+
+    def __init__(self, slots: int, mappable: int) -> None:
+        self.slots, self.mappable = slots, mappable
+
+    def uniform_available_size(self) -> int:
+        return self.slots
+
+    def available_size(self) -> int:
+        return min(self.slots, self.mappable)
+
+
+class _ElasticMambaSlots:
+    """kvcached's ElasticMambaSlotAllocator: its free space is its Mamba pool's reading
+    (kvcached integration/sglang/patches.py:2008-2012)."""
+
+    rank_local_capacity = True
+
+    def __init__(self, pool: _ElasticMambaPool) -> None:
+        self.mamba_pool = pool
+
+    def available_size(self) -> int:
+        return self.mamba_pool.available_size()
+
+    def uniform_available_size(self) -> int:
+        return self.mamba_pool.uniform_available_size()
+
+
+def test_a_pool_read_through_another_is_agreed_once() -> None:
+    """Ranks whose Mamba memory differs (100 vs 150 mappable slots) agree on the least; the slot
+    allocator, which reads the pool's reading, must read the agreed 100 on both ranks, not the
+    agreement applied twice (100 vs 50), and after both allocate alike, the same again."""
+    from sglang.srt.managers.scheduler import PrefillAgreement, Scheduler
+    from sglang.srt.mem_cache.allocation import AgreedCapacity
+
+    pools = [_ElasticMambaPool(200, mappable) for mappable in (100, 150)]
+    parts = [(pool, _ElasticMambaSlots(pool)) for pool in pools]
+    capacities = [AgreedCapacity(list(pair)) for pair in parts]
+    measured = [capacity.measure() for capacity in capacities]
+
+    def with_peer(peer: list[int]) -> Any:
+        def reduce(vote: torch.Tensor) -> None:  # the all-reduce (MAX of negatives) with the peer
+            vote.copy_(torch.maximum(vote, torch.tensor([-free for free in peer])))
+
+        return reduce
+
+    for rank, capacity in enumerate(capacities):
+        Scheduler._agree_on_free_space(None, PrefillAgreement(with_peer(measured[1 - rank]), capacity))  # type: ignore[arg-type]
+    assert [[pool.available_size(), slots.available_size()] for pool, slots in parts] == [[100, 100]] * 2
+    for pool in pools:
+        pool.slots -= 30  # both ranks allocate alike
+    pools[1].mappable = 0  # and then a co-tenant takes rank 1's memory: that shows as a miss
+    assert [[pool.available_size(), slots.available_size()] for pool, slots in parts] == [[70, 70]] * 2
