@@ -323,7 +323,8 @@ def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
     for pool in read:
         uniform, real = pool.uniform_available_size(), pool.available_size()
         assert uniform == real > 0, type(pool).__name__
-    for manager in {id(m): m for m in (allocator.kvcached_allocator, req_to_token_pool.mamba_pool.kvcached_allocator)}.values():
+    managers = (allocator.kvcached_allocator, req_to_token_pool.mamba_pool.kvcached_allocator)
+    for manager in managers:
         manager.mappable = 1  # a co-tenant maps this GPU's memory away
     for pool in read:
         assert pool.available_size() < pool.uniform_available_size(), type(pool).__name__

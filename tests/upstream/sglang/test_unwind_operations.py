@@ -188,11 +188,15 @@ def test_no_preemption_while_backing_off() -> None:
 # Cost: without a pool that can miss on one rank, nothing is agreed and nothing waits
 # --------------------------------------------------------------------------------------------
 def test_no_collective_and_no_wait_without_an_elastic_pool() -> None:
-    """Pools whose free space every rank computes alike miss alike on every rank: a round makes
-    no collective, whether it allocates, misses or admits nothing, and a round that allocates
-    never waits. Any collective, or the tree cache's agreement helper, fails the test."""
+    """Pools whose free space every rank computes alike miss alike on every rank: a round that
+    allocates or admits nothing makes no collective and never waits. A missed round (which every
+    rank reaches alike) makes one, through the tree cache's helper: how long its requests have
+    been missing, the most any rank measured (its wall-clock deadline). Any other collective
+    fails the test."""
     with sh.build_harness(hicache=True) as h:
         collectives: list[str] = []
+        agreed_in: list[str] = []
+        round_name = ["allocates"]
 
         def spy(name: str) -> Any:
             def call(*args: Any, **kwargs: Any) -> None:
@@ -201,17 +205,24 @@ def test_no_collective_and_no_wait_without_an_elastic_pool() -> None:
 
             return call
 
+        def agreement_helper(tensor: torch.Tensor, op: Any) -> None:
+            agreed_in.append(round_name[0])
+
         with (
             mock.patch.object(torch.distributed, "all_reduce", spy("all_reduce")),
             mock.patch.object(torch.distributed, "get_world_size", spy("get_world_size")),
-            mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", spy("_all_reduce_attn_groups")),
+            mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", agreement_helper),
             h.spy_releases(),
         ):
             h.add_request(_prompt(0))
             assert h.run_round() is not None
-            assert h.run_round() is None  # nothing queued
+            round_name[0] = "nothing queued"
+            assert h.run_round() is None
             h.add_request(_prompt(1))
+            round_name[0] = "missed"
             with h.arm_miss("token_slots"):
                 assert h.run_round() is None
         assert collectives == []
+        wall_clock_deadline = getattr(h.scheduler, "_prefill_unwind_clock", None) is not None
+        assert agreed_in == (["missed"] if wall_clock_deadline else [])
         assert [op for op, _ in h.device_log.entries if op == "synchronize"] == []

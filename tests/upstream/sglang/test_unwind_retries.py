@@ -46,13 +46,22 @@ def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 # Bounded retries: a request that keeps missing is aborted, and operators can see it
 # --------------------------------------------------------------------------------------------
 class FakeClock:
-    """The scheduler's back-off sleeps, recorded instead of slept."""
+    """The scheduler's clock: its back-off sleeps are recorded instead of slept, and advance it;
+    `advance` is time passing otherwise (decode steps)."""
 
     def __init__(self) -> None:
         self.sleeps: list[float] = []
+        self.now = 1000.0
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
+        self.now += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 @pytest.fixture
@@ -64,6 +73,7 @@ def deadline() -> Any:
 def _fake_clock(h: sh.Harness) -> FakeClock:
     clock = FakeClock()
     h.scheduler._prefill_unwind_sleep = clock.sleep
+    h.scheduler._prefill_unwind_clock = clock.monotonic
     return clock
 
 
@@ -133,9 +143,10 @@ def test_the_bound_is_time_not_rounds(deadline: float) -> None:
         assert len(clock.sleeps) == 9  # 5 ... 160 ms, then 250 ms three times
 
 
-def test_no_sleep_while_requests_run(deadline: float) -> None:
+def test_no_sleep_while_requests_run_and_the_deadline_is_wall_clock(deadline: float) -> None:
     """With requests running, their decode steps space the attempts: the scheduler does not
-    sleep, and the same count of misses still aborts (the bound does not depend on who slept)."""
+    sleep. The deadline is still time: with 20 ms between attempts, the head is aborted at the
+    first attempt 50 ms after its first miss (the fourth), not after a count of misses."""
     with sh.build_harness(req_rows=8) as h:
         clock = _fake_clock(h)
         running = h.add_request(_prompt(0))
@@ -143,14 +154,32 @@ def test_no_sleep_while_requests_run(deadline: float) -> None:
         assert batch is not None
         h.scheduler.running_batch = batch
         head = h.add_request(_prompt(1))
-        rounds = 0
+        waited: list[float] = []
         with h.arm_miss("token_slots"):
-            while head in h.scheduler.waiting_queue and rounds < 20:
+            while head in h.scheduler.waiting_queue and len(waited) < 20:
                 assert h.run_round() is None
-                rounds += 1
-        assert rounds == MISSES_TO_ABORT and clock.sleeps == []
+                waited.append(head.prefill_unwind_backoff_s)
+                clock.advance(0.02)
+        assert clock.sleeps == []
+        assert waited == pytest.approx([0.0, 0.02, 0.04, 0.06])
         assert [a.rid for a in _abort_outputs(h)] == [head.rid]
         assert not running.finished()
+
+
+def test_the_round_after_a_prefill_on_an_idle_engine_does_not_sleep(deadline: float) -> None:
+    """On an idle engine a prefill batch runs; the next round's running batch is that batch,
+    merged in by get_next_batch_to_run (scheduler.running_batch is still the empty one until the
+    round ends). A miss in that round must not sleep: the just-prefilled requests are waiting."""
+    with sh.build_harness(req_rows=8) as h:
+        clock = _fake_clock(h)
+        h.add_request(_prompt(0))
+        prefilled = h.run_round()
+        assert prefilled is not None and h.scheduler.running_batch.is_empty()
+        head = h.add_request(_prompt(1))
+        with h.arm_miss("token_slots"):
+            plan = h.scheduler.get_new_batch_prefill(prefilled)
+        assert plan.batch_to_run is None and head in h.scheduler.waiting_queue
+        assert clock.sleeps == []
 
 
 @pytest.mark.parametrize("config", [MAMBA, {}], ids=["mamba", "no-mamba"])
