@@ -920,3 +920,24 @@ def test_a_pool_read_through_another_is_agreed_once() -> None:
         pool.slots -= 30  # both ranks allocate alike
     pools[1].mappable = 0  # and then a co-tenant takes rank 1's memory: that shows as a miss
     assert [[pool.available_size(), slots.available_size()] for pool, slots in parts] == [[70, 70]] * 2
+    # The co-tenant leaves and the ranks agree afresh (as after a put-back): the slot allocator's
+    # real reading is its pool's real one (100 on rank 0), never the pool's ledger (70).
+    pools[1].mappable = 150
+    for capacity in capacities:
+        capacity.expire()  # what a put-back round does
+    measured = [capacity.measure() for capacity in capacities]
+    for rank, capacity in enumerate(capacities):
+        Scheduler._agree_on_free_space(None, PrefillAgreement(with_peer(measured[1 - rank]), capacity))
+    assert [[pool.available_size(), slots.available_size()] for pool, slots in parts] == [[100, 100]] * 2
+
+
+def test_a_rank_local_pool_that_cannot_be_counted_alike_is_refused_by_name() -> None:
+    """A pool that declares rank-local free space but no reading its own calls alone change
+    cannot be kept alike on every rank: the scheduler refuses it (at start-up: Scheduler.__init__
+    reads the agreement), naming the pool and what it lacks."""
+    with sh.build_harness() as h:
+        h.token_to_kv_pool_allocator.rank_local_capacity = True
+        with pytest.raises(
+            ValueError, match=r"TokenToKVPoolAllocator declares rank_local_capacity but has no"
+        ):
+            h.scheduler._prefill_agreement  # noqa: B018  (the property is what refuses)
