@@ -207,6 +207,38 @@ def test_hook_withholds_only_when_told(monkeypatch: pytest.MonkeyPatch, tokens: 
         sys.meta_path[:] = before
 
 
+def test_a_rank_local_pool_counts_from_its_free_list_not_its_withheld_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Marked rank-local, the allocators give the carried scheduler their own free-list count as
+    the reading only their own calls change (without it the patched scheduler refuses to start);
+    the withholding, which stands in for a co-tenant, lowers `available_size` only."""
+    before = list(sys.meta_path)
+    env = {
+        "CARRY_E2E_INJECT": "1",
+        "CARRY_E2E_RANK_LOCAL": "1",
+        "CARRY_E2E_WITHHELD_TOKENS": "64",
+        "CARRY_E2E_WITHHOLD_RANKS": "0",
+    }
+    try:
+        injector = hook.install(env)
+        assert injector is not None
+        finder: Any = sys.meta_path[0]
+        base = type("BaseTokenToKVPoolAllocator", (), {"available_size": lambda self: 1000})
+        monkeypatch.setitem(
+            sys.modules, hook.ALLOCATOR_PACKAGE, SimpleNamespace(BaseTokenToKVPoolAllocator=base)
+        )
+        batch = type("ScheduleBatch", (), {"prepare_for_extend": lambda self: None})
+        finder.patches[hook.BATCH_MODULE](SimpleNamespace(ScheduleBatch=batch))
+        injector.scheduler = object()  # always busy: the withholding applies
+        monkeypatch.setattr(hook, "tp_rank", lambda: 0)
+        pool = base()
+        assert getattr(base, "rank_local_capacity", None) is True
+        assert (pool.uniform_available_size(), pool.available_size()) == (1000, 936)
+    finally:
+        sys.meta_path[:] = before
+
+
 def test_hook_wraps_once_and_counts_loads(tmp_path: Path) -> None:
     injector = hook.Injector(limit=0, counters_dir=None)
     cls = type("Alloc", (), {"alloc": lambda self, n: [n]})

@@ -53,6 +53,7 @@ CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 ALLOC_METHODS = ("alloc", "alloc_extend")
 AVAILABLE_METHOD = "available_size"
+UNIFORM_METHOD = "uniform_available_size"
 SAVE_EVERY_S = 0.5
 # Where each tree allocates a prefill batch, first match wins: the patched scheduler calls
 # allocate_for_extend; prepare_for_extend calls it too there, so only one of them is wrapped.
@@ -194,6 +195,21 @@ class Withholder:
             return size
         self.injector.count("withheld_readings", save_every_s=SAVE_EVERY_S)
         return max(0, size - self.tokens)
+
+
+def give_uniform_readings(classes: Sequence[type]) -> list[str]:
+    """A pool that declares rank-local free space gives the carried scheduler a reading only its
+    own calls change (`uniform_available_size`, kvcached's virtual space): sglang's own allocators'
+    `available_size` is such a count (their free list), taken here before any withholding wraps
+    it. Returns what was given one."""
+    given = []
+    for cls in classes:
+        real = cls.__dict__.get(AVAILABLE_METHOD)
+        if real is None or getattr(real, "_carry_e2e", False):
+            continue
+        setattr(cls, UNIFORM_METHOD, real)
+        given.append(f"{cls.__name__}.{UNIFORM_METHOD}")
+    return given
 
 
 def wrap_available_size(classes: Sequence[type], withholder: Withholder) -> list[str]:
@@ -363,6 +379,7 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
             wrap_allocators([base, *all_subclasses(base)], injector)
             if rank_local:
                 base.rank_local_capacity = True
+                give_uniform_readings([base, *all_subclasses(base)])
             if withholder.tokens > 0:
                 wrap_available_size([base, *all_subclasses(base)], withholder)
 
