@@ -463,6 +463,7 @@ def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     tokens 32-96 and rank 1 tokens 0-64 of one batch. The fingerprint covers the prefix length, so
     the ranks put it back; the third such round in a row stops the scheduler, naming it."""
     prefix = list(range(3000, 3032))
+    metrics = h.enable_metrics()
     if rank == 0:
         h.cache_prefix(prefix)
     req = h.add_request([*prefix, *range(4000, 4100)])
@@ -480,6 +481,8 @@ def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     return {
         "outcomes": outcomes,
         "charged": _charged(req),
+        "unwinds": sh.num_prefill_unwinds(h),
+        "metrics": {name: metric.total for name, metric in metrics.items() if "prefill_" in name},
     }
 
 
@@ -670,6 +673,17 @@ def test_ranks_whose_trees_differ_never_run_the_batch(two_ranks: TwoRanks) -> No
     for r in ranks.values():
         assert r["outcomes"] == [None, None, "PrefillRankDivergence"]
         assert r["charged"] == 0
+
+
+def test_a_diverged_round_is_counted_as_a_divergence_not_as_a_miss(two_ranks: TwoRanks) -> None:
+    """The two rounds put back because the ranks' batches differed are exported as divergences
+    (`sglang:num_prefill_divergences_total`), on both ranks; the unwind counter, documented as
+    batches whose allocation missed, does not count them."""
+    ranks = two_ranks.scenario("tp_trees_differ")
+    for r in ranks.values():
+        assert r["unwinds"] == 0
+        assert r["metrics"].get("sglang:num_prefill_divergences_total") == 2
+        assert r["metrics"].get("sglang:num_prefill_unwinds_total") == 0
 
 
 def test_a_drifting_reading_admits_alike_on_every_rank(two_ranks: TwoRanks) -> None:
