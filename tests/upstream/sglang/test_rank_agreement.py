@@ -639,7 +639,31 @@ def _decode_after_vote(h: sh.Harness, rank: int) -> dict[str, Any]:
     }
 
 
+def _no_agreement_helper(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """A tree cache with no agreement helper of its own (0.5.20's ChunkCache under
+    --disable-radix-cache with chunked prefill, RadixCacheCpp, PureSWARadixCache, FlexKV, a
+    --radix-cache-backend plugin): the ranks agree over the scheduler's own attention groups.
+    Rank 0's reading is lowered (no miss): both admit what fits rank 0. Then rank 1 misses: both
+    put the round back, and retry alike."""
+    rounds: list[Any] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", None))
+        if rank == 0:
+            stack.enter_context(_cotenant(h, 40))
+        for i in range(4):
+            h.add_request(_prompt(i))
+        for miss in (False, True, False):
+            with h.arm_miss("token_slots") if miss and rank == MISSING_RANK else _no_miss():
+                batch = h.run_round()
+            rounds.append(None if batch is None else [r.rid for r in batch.reqs])
+            for req in [] if batch is None else batch.reqs:
+                h.finish_request(req)
+            h.prepare_next_round()
+    return {"rounds": rounds, "unwinds": sh.num_prefill_unwinds(h), "queue": len(h.scheduler.waiting_queue)}
+
+
 MULTI_ROUND_SCENARIOS = {
+    "tp_no_agreement_helper": _no_agreement_helper,
     "tp_drift_rounds": _drift_rounds,
     "tp_decode_after_vote": _decode_after_vote,
     "tp_skewed_eviction": _skewed_eviction,
@@ -822,24 +846,27 @@ def test_an_admitting_round_makes_one_collective_once_agreed() -> None:
         assert collectives == [2, 1, missed_round, 2, 1, 2]
 
 
-def test_a_rank_local_pool_without_an_agreement_helper_stops_never_unwinds_alone() -> None:
-    """Across TP ranks, a pool whose free space is per rank under a tree cache with no agreement
-    helper (FlexKV's): a miss on one rank cannot be put back on the others, so it stops the
-    scheduler, naming why; a round that allocates runs, with no collective."""
-    with sh.build_harness() as h:
-        h.token_to_kv_pool_allocator.rank_local_capacity = True
-        h.scheduler.tp_cpu_group = object()
+def test_a_tree_cache_without_an_agreement_helper_agrees_over_the_schedulers_groups(
+    two_ranks: TwoRanks,
+) -> None:
+    ranks = two_ranks.scenario("tp_no_agreement_helper")
+    assert ranks[0] == ranks[1]
+    first, missed, retry = ranks[0]["rounds"]
+    assert first is not None and 0 < len(first) < 4  # what fits rank 0's 40 free tokens
+    assert missed is None and ranks[0]["unwinds"] == 1  # rank 1's miss, put back on both
+    assert retry is not None
+
+
+def test_a_rank_local_pool_under_pipeline_parallelism_is_refused_by_name() -> None:
+    """Pipeline stages admit on their own pools and nothing agrees across them: a rank-local pool
+    there is refused (at start-up), naming the flag, rather than run stages that disagree."""
+    with sh.build_harness(elastic=True) as h:
+        parallel = types.SimpleNamespace(pp_size=2)
         with (
-            mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", None),
-            mock.patch.object(torch.distributed, "get_world_size", return_value=2),
-            mock.patch.object(torch.distributed, "all_reduce", side_effect=AssertionError("collective")),
+            mock.patch("sglang.srt.managers.scheduler.get_parallel", return_value=parallel),
+            pytest.raises(ValueError, match=r"--pp-size 2"),
         ):
-            h.add_request(_prompt(0))
-            assert h.run_round() is not None
-            h.add_request(_prompt(1))
-            with h.arm_miss("token_slots"), pytest.raises(RuntimeError, match="no cross-rank agreement"):
-                h.run_round()
-        assert sh.num_prefill_unwinds(h) == 0
+            h.scheduler._prefill_agreement  # noqa: B018  (the property is what refuses)
 
 
 def test_a_kvcached_attribute_alone_turns_nothing_on() -> None:
