@@ -20,7 +20,10 @@ The runs (`--runs`, default all of CPU_RUNS): control, pristine, patched, withou
 the same first three with --tp-size 2 (tp2-control, tp2-pristine, tp2-patched), the miss on rank 1
 only and the KV pool marked rank-local on every rank, as a kvcached elastic pool is; and
 tp2-uneven, tp2-patched with rank 0's free
-space reported WITHHELD_TOKENS lower while its scheduler is busy, so the ranks admit differently.
+space reported WITHHELD_TOKENS lower while its scheduler is busy, so the ranks admit differently;
+tp2-drift, as tp2-uneven with the withheld amount changing at every reading (as kvcached's
+TTL-cached physical reading drifts); tp2-delayer, as tp2-uneven with --enable-prefill-delayer,
+which negotiates over the TP group inside admission.
 
 Every server runs `python -m sglang.launch_server` with --skip-tokenizer-init, native HiCache
 (write-through), a 1024-token KV pool and no CUDA graphs, under bounded traffic that fills the
@@ -446,6 +449,10 @@ class RunSpec:
     # withhold_ranks (None: every rank), while the scheduler is busy (hook/sitecustomize.py).
     withheld_tokens: int = 0
     withhold_ranks: tuple[int, ...] | None = None
+    # The withheld amount changes at every reading (as kvcached's physical reading does).
+    withheld_drift: bool = False
+    # Server flags this run adds (the prefill delayer).
+    server_flags: tuple[str, ...] = ()
 
     @property
     def control_name(self) -> str:
@@ -536,6 +543,7 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
     elif run.withheld_tokens > 0 and not any(run.withheld_readings.values()):
         run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
+
     elif run.kind in COMPARING and not complete(control):
         run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
@@ -655,6 +663,8 @@ def run_once(
         env["CARRY_E2E_WITHHELD_TOKENS"] = str(spec.withheld_tokens)
         if spec.withhold_ranks is not None:
             env["CARRY_E2E_WITHHOLD_RANKS"] = ",".join(map(str, spec.withhold_ranks))
+        if spec.withheld_drift:
+            env["CARRY_E2E_WITHHELD_DRIFT"] = "1"
     env.update(spec.extra_env)
     server = Server.start(command, env, out / run.log, port)
     memory = PeakMemory(server.process.pid)
@@ -733,6 +743,32 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (
         two_ranks(
             "tp2-uneven", PATCHED, miss_ranks=(1,), withheld_tokens=WITHHELD_TOKENS, withhold_ranks=(0,)
+        ),
+        PATCHED,
+    ),
+    # As tp2-uneven, with rank 0's reading changing at every read (none, a third, two thirds, all
+    # of WITHHELD_TOKENS, in turn), as kvcached's TTL-cached physical reading makes it drift: the
+    # ranks agree on a ledger, so they still admit, evict and retract alike.
+    (
+        two_ranks(
+            "tp2-drift",
+            PATCHED,
+            miss_ranks=(1,),
+            withheld_tokens=WITHHELD_TOKENS,
+            withhold_ranks=(0,),
+            withheld_drift=True,
+        ),
+        PATCHED,
+    ),
+    # As tp2-uneven, with the prefill delayer, which negotiates over the TP group inside admission.
+    (
+        two_ranks(
+            "tp2-delayer",
+            PATCHED,
+            miss_ranks=(1,),
+            withheld_tokens=WITHHELD_TOKENS,
+            withhold_ranks=(0,),
+            server_flags=("--enable-prefill-delayer",),
         ),
         PATCHED,
     ),
@@ -846,7 +882,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         controls: dict[str, dict[str, list[int]]] = {}
         for spec in specs:
             port = free_port()
-            flags = [*extra, *(["--tp-size", str(spec.tp)] if spec.tp > 1 else [])]
+            flags = [*extra, *(["--tp-size", str(spec.tp)] if spec.tp > 1 else []), *spec.server_flags]
             command = server_command(python, models[model], port, flags)
             control = controls.get(spec.control_name) if spec.kind != CONTROL else None
             run, outcomes = run_once(

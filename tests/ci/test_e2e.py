@@ -189,6 +189,28 @@ def test_hook_withholds_free_tokens_on_its_ranks_while_the_scheduler_is_busy(
     assert composite.available_size() == 744
 
 
+def test_a_drifting_withholder_changes_the_reading_at_every_read(tmp_path: Path) -> None:
+    """tp2-drift: the withheld amount cycles (all, none, a third, two thirds) so no two readings
+    in a row are reduced alike, as kvcached's TTL-cached physical reading drifts."""
+    injector = hook.Injector(limit=0, counters_dir=tmp_path)
+    injector.scheduler = object()  # always busy
+    withholder = hook.Withholder(injector, tokens=300, ranks=None, drift=True)
+    readings = [withholder.reading(lambda: 1000) for _ in range(8)]
+    assert readings == [1000, 900, 800, 700] * 2
+    steady = hook.Withholder(injector, tokens=300, ranks=None)
+    assert {steady.reading(lambda: 1000) for _ in range(4)} == {700}
+
+
+def test_the_drift_and_delayer_runs_compare_with_the_tp2_control() -> None:
+    plan = {spec.name: spec for spec, _ in run_e2e.CPU_PLAN}
+    drift, delayer = plan["tp2-drift"], plan["tp2-delayer"]
+    assert drift.withheld_drift and drift.withheld_tokens > 0 and drift.withhold_ranks == (0,)
+    assert "--enable-prefill-delayer" in delayer.server_flags and delayer.withheld_tokens > 0
+    for spec in (drift, delayer):
+        assert (spec.kind, spec.tp, spec.rank_local, spec.miss_ranks) == ("patched", 2, True, (1,))
+        assert spec.control_name == "tp2-control"
+
+
 @pytest.mark.parametrize(("tokens", "wrapped"), [("64", True), ("0", False)])
 def test_hook_withholds_only_when_told(monkeypatch: pytest.MonkeyPatch, tokens: str, wrapped: bool) -> None:
     before = list(sys.meta_path)

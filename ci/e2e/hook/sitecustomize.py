@@ -171,9 +171,21 @@ class Withholder:
     scheduler reads in a tight loop), and at once with any other count.
     """
 
-    def __init__(self, injector: Injector, tokens: int, ranks: frozenset[int] | None = None) -> None:
-        self.injector, self.tokens, self.ranks = injector, tokens, ranks
+    def __init__(
+        self, injector: Injector, tokens: int, ranks: frozenset[int] | None = None, drift: bool = False
+    ) -> None:
+        self.injector, self.tokens, self.ranks, self.drift = injector, tokens, ranks, drift
         self._local = threading.local()
+        self._readings = 0
+
+    def withheld(self) -> int:
+        """What this reading withholds: `tokens`, or with `drift` a different amount at every
+        reading (all of it, none, a third, two thirds, in turn), as kvcached's TTL-cached physical
+        reading and a co-tenant make a real pool's reading change between any two reads."""
+        if not self.drift:
+            return self.tokens
+        self._readings += 1
+        return self.tokens * (3, 0, 1, 2)[self._readings % 4] // 3
 
     def active(self) -> bool:
         scheduler = self.injector.scheduler
@@ -194,7 +206,7 @@ class Withholder:
         if depth > 0 or not self.active():
             return size
         self.injector.count("withheld_readings", save_every_s=SAVE_EVERY_S)
-        return max(0, size - self.tokens)
+        return max(0, size - self.withheld())
 
 
 def give_uniform_readings(classes: Sequence[type]) -> list[str]:
@@ -368,6 +380,7 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
         injector,
         int(env.get("CARRY_E2E_WITHHELD_TOKENS", "0")),
         parse_ranks(env.get("CARRY_E2E_WITHHOLD_RANKS", "")),
+        drift=env.get("CARRY_E2E_WITHHELD_DRIFT") == "1",
     )
 
     def patch_batch(module: Any) -> None:
