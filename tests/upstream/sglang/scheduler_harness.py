@@ -847,6 +847,14 @@ class Harness:
             _counter_cls = _gauge_cls = _histogram_cls = _summary_cls = RecordingMetric
 
         RecordingMetric.created = {}
+        # Some collectors register real Prometheus metrics too (0.5.23's GaugeHistogram): a second
+        # harness in one process (a forked rank after a test that enabled metrics) would register
+        # them twice.
+        from prometheus_client import REGISTRY
+
+        for registered, names in list(REGISTRY._collector_to_names.items()):
+            if any(name.startswith("sglang:") for name in names):
+                REGISTRY.unregister(registered)
         collector = RecordingCollector(
             labels={"model_name": "tiny", "moe_ep_rank": 0}, server_args=self.scheduler.server_args
         )

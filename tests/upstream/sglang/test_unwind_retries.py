@@ -258,3 +258,17 @@ def test_an_abort_under_pd_disaggregation_releases_the_prefill_side() -> None:
         assert [call.args[1] for call in release.call_args_list] == [req]
         assert released == ["chunk sends", "sender", "metadata 3"]
         assert _holds_nothing(req) and req.finished()
+
+
+def test_a_diverged_round_is_counted_as_a_divergence_not_as_a_miss() -> None:
+    """Two ranks whose trees differ put two rounds back before the scheduler stops (the rank
+    agreement's `tp_trees_differ`). Those rounds are exported as divergences
+    (`sglang:num_prefill_divergences_total`) on both ranks; the unwind counter, documented as
+    batches whose allocation missed, does not count them."""
+    from test_rank_agreement import run_two_ranks
+
+    ranks = run_two_ranks(["tp_trees_differ"]).scenario("tp_trees_differ")
+    for r in ranks.values():
+        assert r["unwinds"] == 0
+        assert r["metrics"].get("sglang:num_prefill_divergences_total") == 2
+        assert r["metrics"].get("sglang:num_prefill_unwinds_total") == 0
