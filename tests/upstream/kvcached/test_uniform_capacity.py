@@ -1,0 +1,73 @@
+"""Every elastic pool the carried SGLang scheduler's ranks agree on counts its free space alike on
+every rank (series entry "sglang: give every rank-local pool a free-space reading only its own calls
+change", sgl-project/sglang#34676).
+
+kvcached's `available_size()` is the least of its free virtual space and the physical memory the GPU
+can still map, which a co-tenant changes and which kvcached caches for 100 ms: two ranks' readings
+drift apart. The carried scheduler agrees on that reading at points every rank reaches alike and in
+between counts from `uniform_available_size()`, which only the pool's own calls change. These tests
+install kvcached's patches over the REAL SGLang classes (test_rank_local_capacity.py's fixture,
+faking only kvcached's CUDA boundary) and hand the pools to the REAL scheduler's AgreedCapacity.
+
+Expected: FAIL with the miss-reporting entry alone, PASS with this one.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import sglang.srt.mem_cache.allocator as alloc_pkg
+import torch
+from test_rank_local_capacity import PAGE, TOKENS, _hybrid_req_to_token_pool, _mha_pool, elastic
+
+__all__ = ["elastic"]  # the fixture, shared with test_rank_local_capacity.py
+
+
+def _scheduler_reads(allocator: Any, req_to_token_pool: Any) -> list[Any]:
+    """The pools whose free space the carried scheduler agrees on (Scheduler._prefill_agreement)."""
+    from sglang.srt.mem_cache.allocator.base import rank_local_pools
+
+    pools = [allocator, allocator.get_kvcache(), req_to_token_pool]
+    pools += [getattr(req_to_token_pool, name, None) for name in ("mamba_pool", "mamba_allocator")]
+    return [
+        part
+        for pool in pools
+        if pool is not None
+        for part in rank_local_pools(pool)
+        if callable(getattr(part, "available_size", None))
+    ]
+
+
+@pytest.mark.parametrize("page_size", [1, PAGE])
+def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
+    elastic: types.ModuleType, page_size: int
+) -> None:
+    """Each elastic pool whose free space the scheduler's ranks agree on has a reading that only
+    its own calls change (`uniform_available_size`: the manager's virtual space), beside its real
+    one (the least of that and the GPU memory left to map). A co-tenant lowers the real reading
+    only. The carried scheduler's ledger takes every one of them (a pool without it is refused)."""
+    from sglang.srt.mem_cache.allocation import AgreedCapacity
+
+    req_to_token_pool = _hybrid_req_to_token_pool()
+    kvcache = _mha_pool(elastic.MHATokenToKVPool)
+    if page_size == 1:
+        allocator = alloc_pkg.TokenToKVPoolAllocator(TOKENS, torch.bfloat16, "cpu", kvcache, False)
+    else:
+        allocator = alloc_pkg.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False)
+    read = _scheduler_reads(allocator, req_to_token_pool)
+    assert {type(pool).__name__ for pool in read} >= {
+        type(allocator).__name__,
+        "ElasticMambaPool",
+        "ElasticMambaSlotAllocator",
+    }
+    for pool in read:
+        uniform, real = pool.uniform_available_size(), pool.available_size()
+        assert uniform == real > 0, type(pool).__name__
+    managers = (allocator.kvcached_allocator, req_to_token_pool.mamba_pool.kvcached_allocator)
+    for manager in managers:
+        manager.mappable = 1  # a co-tenant maps this GPU's memory away
+    for pool in read:
+        assert pool.available_size() < pool.uniform_available_size(), type(pool).__name__
+    AgreedCapacity(read)
