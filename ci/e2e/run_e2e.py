@@ -549,7 +549,6 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
     elif run.withheld_tokens > 0 and not any(run.withheld_readings.values()):
         run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
-
     elif run.kind in COMPARING and not complete(control):
         run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
@@ -733,6 +732,14 @@ def two_ranks(name: str, kind: str, **more: Any) -> RunSpec:
     return RunSpec(name, kind, tp=2, rank_local=True, extra_env=omp, **more)
 
 
+def uneven_ranks(name: str, withheld_tokens: int, **more: Any) -> RunSpec:
+    """A patched two-rank run whose ranks' free space differs: rank 0 reports `withheld_tokens`
+    fewer free tokens than it has (a co-tenant of an elastic pool), and rank 1 misses."""
+    return two_ranks(
+        name, PATCHED, miss_ranks=(1,), withheld_tokens=withheld_tokens, withhold_ranks=(0,), **more
+    )
+
+
 # The CPU runs, in the order they run (each control before the runs compared with it), each with
 # what it serves: "pristine" and "patched" (the wheels), or the tree without the load wait.
 CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
@@ -746,39 +753,14 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     # As tp2-patched, and rank 0 reports WITHHELD_TOKENS fewer free tokens than it has (a
     # co-tenant of an elastic pool): the ranks' free space differs, so they can admit and evict
     # differently. Kind patched: every request finishes, outputs equal tp2-control's.
-    (
-        two_ranks(
-            "tp2-uneven", PATCHED, miss_ranks=(1,), withheld_tokens=WITHHELD_TOKENS, withhold_ranks=(0,)
-        ),
-        PATCHED,
-    ),
+    (uneven_ranks("tp2-uneven", WITHHELD_TOKENS), PATCHED),
     # As tp2-uneven, with rank 0's reading changing at every read (none, a third, two thirds, all
     # of DRIFT_WITHHELD_TOKENS, in turn), as kvcached's TTL-cached physical reading makes it drift: the
     # ranks agree on a ledger, so they still admit, evict and retract alike.
-    (
-        two_ranks(
-            "tp2-drift",
-            PATCHED,
-            miss_ranks=(1,),
-            withheld_tokens=DRIFT_WITHHELD_TOKENS,
-            withhold_ranks=(0,),
-            withheld_drift=True,
-        ),
-        PATCHED,
-    ),
+    (uneven_ranks("tp2-drift", DRIFT_WITHHELD_TOKENS, withheld_drift=True), PATCHED),
     # As tp2-drift's withholding (steady), with the prefill delayer, which negotiates over the TP
     # group inside admission from the pools' usage.
-    (
-        two_ranks(
-            "tp2-delayer",
-            PATCHED,
-            miss_ranks=(1,),
-            withheld_tokens=DRIFT_WITHHELD_TOKENS,
-            withhold_ranks=(0,),
-            server_flags=("--enable-prefill-delayer",),
-        ),
-        PATCHED,
-    ),
+    (uneven_ranks("tp2-delayer", DRIFT_WITHHELD_TOKENS, server_flags=("--enable-prefill-delayer",)), PATCHED),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
 

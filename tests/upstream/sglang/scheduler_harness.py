@@ -534,7 +534,6 @@ class PhysicalMemory:
     def __init__(self, allocator: Any) -> None:
         self.uniform: Callable[[], int] = allocator.available_size
         self.taken: Callable[[], int] = lambda: 0
-        self.reads = 0
         real_alloc = allocator.alloc
 
         def alloc(need_size: int, *args: Any, **kwargs: Any) -> Any:
@@ -547,7 +546,6 @@ class PhysicalMemory:
         allocator.alloc = alloc
 
     def available(self) -> int:
-        self.reads += 1
         return max(0, self.uniform() - self.taken())
 
     def take(self, tokens: int) -> None:
