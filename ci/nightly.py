@@ -11,10 +11,11 @@ from the build's result, and the one for this interpreter is the one the e2e ins
 (`carry verify`), cpu-tests (`carry apply` of that line, then pytest on tests/upstream/NAME
 against its tree), and for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a real server on CPU,
 one rank and two) and, where a CUDA device is present, gpu-tests (tests/gpu with
-CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs ruff, mypy and the tool's
-tests once (./scripts/test tests/tool). Then the canary asks the index `carry rebase` reads (PyPI,
-or $CARRY_INDEX_URL) for the newest sglang release and, when it is newer than the newest sglang
-line, runs `carry rebase --check NEWEST sglang`, which names the first patch that stops applying.
+CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs ruff, zizmor, actionlint,
+mypy and the tool's tests once (./scripts/test tests/tool). Then the canary asks the index
+`carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for the newest sglang release and, when it is
+newer than the newest sglang line, runs `carry rebase --check NEWEST sglang`, which names the
+first patch that stops applying.
 Each line's CPU tests run in its own test environment (ci/test-envs.toml), built first where it is
 missing.
 
