@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import traceback
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 from unittest import mock
 
@@ -67,6 +67,10 @@ class RankScenario(NamedTuple):
 
 
 ELASTIC: dict[str, Any] = {"elastic": True}
+
+
+# A scenario that drives one rank's harness through several rounds; what it returns is compared.
+MultiRoundScenario = Callable[[sh.Harness, int], dict[str, Any]]
 
 
 RANK_SCENARIOS = {
@@ -249,7 +253,9 @@ def _groups(topology: Topology, rank: int, world: Any, pair: Any, singles: list[
     }
 
 
-def _rank_body(names: list[str]) -> Any:
+def _rank_body(
+    names: list[str], scenarios: Mapping[str, MultiRoundScenario], kv_tokens: Mapping[str, int]
+) -> Any:
     """One rank: every group built by both ranks in the same order, then the named scenarios."""
 
     def body(rank: int) -> dict[str, Any]:
@@ -259,13 +265,13 @@ def _rank_body(names: list[str]) -> Any:
         assert world is not pair
 
         def run(name: str) -> dict[str, Any]:
-            if name in MULTI_ROUND_SCENARIOS:
+            if name in scenarios:
                 groups = _groups("tp", rank, world, pair, singles)
                 chunk: dict[str, Any] = {"chunked_prefill_size": CHUNK} if name in CHUNKED_SCENARIOS else {}
-                if name in KV_TOKENS:
-                    chunk["kv_tokens"] = KV_TOKENS[name]
+                if name in kv_tokens:
+                    chunk["kv_tokens"] = kv_tokens[name]
                 with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
-                    return MULTI_ROUND_SCENARIOS[name](h, rank)
+                    return scenarios[name](h, rank)
             scenario = RANK_SCENARIOS[name]
             groups = _groups(scenario.topology, rank, world, pair, singles)
             with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
@@ -297,12 +303,22 @@ class TwoRanks(NamedTuple):
         return found
 
 
-def run_two_ranks(names: list[str]) -> TwoRanks:
-    """Run the named scenarios on two forked gloo ranks."""
+def run_two_ranks(
+    names: list[str],
+    scenarios: Mapping[str, MultiRoundScenario] | None = None,
+    kv_tokens: Mapping[str, int] | None = None,
+) -> TwoRanks:
+    """Run the named scenarios on two forked gloo ranks: RANK_SCENARIOS, and multi-round ones
+    from `scenarios` (this module's by default), built with `kv_tokens` where named."""
     with sh.build_harness():  # import sglang's model registry once, before forking
         pass
+    body = _rank_body(
+        names,
+        MULTI_ROUND_SCENARIOS if scenarios is None else scenarios,
+        KV_TOKENS if kv_tokens is None else kv_tokens,
+    )
     results, errors = forked_ranks.run_forked_ranks(
-        _rank_body(names), ranks=RANKS, timeout_s=RANK_TIMEOUT_S, collective_timeout_s=30
+        body, ranks=RANKS, timeout_s=RANK_TIMEOUT_S, collective_timeout_s=30
     )
     return TwoRanks(results, errors)
 
@@ -662,7 +678,7 @@ def _no_agreement_helper(h: sh.Harness, rank: int) -> dict[str, Any]:
     return {"rounds": rounds, "unwinds": sh.num_prefill_unwinds(h), "queue": len(h.scheduler.waiting_queue)}
 
 
-MULTI_ROUND_SCENARIOS = {
+MULTI_ROUND_SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_no_agreement_helper": _no_agreement_helper,
     "tp_drift_rounds": _drift_rounds,
     "tp_decode_after_vote": _decode_after_vote,
