@@ -1,4 +1,5 @@
-"""Benchmark: patched vs pristine `Scheduler._get_new_batch_prefill_raw` on a batch that allocates.
+"""Benchmark: patched vs pristine `Scheduler._get_new_batch_prefill_raw` on a batch that allocates
+(or, with --phase decode, `Scheduler.update_running_batch`: one decode step's preparation).
 
 Not a test: it prints the median time of one prefill round on each tree and the ratio
 patched/pristine, which the carried unwind must keep at or under 1.02. Both trees run the same
@@ -7,6 +8,7 @@ alternating blocks in the same run so machine load drifts hit both alike.
 
     .venv-test/bin/python ci/bench/prefill_unwind.py [--rounds 3000] [--block 100] [--config mamba]
     .venv-test/bin/python ci/bench/prefill_unwind.py --ranks 2 [--before REF]
+    .venv-test/bin/python ci/bench/prefill_unwind.py --ranks 2 --phase decode
 
 With --ranks 2 each tree runs as two gloo ranks of one attention-TP group (one core each), once
 with plain pools and once with an elastic pool (one whose free space is per rank, so the patched
@@ -14,7 +16,9 @@ scheduler agrees on every round that admits): the plain ratio must stay at or un
 elastic pool's cost per round is printed next to one bare all-reduce of a few integers between
 the same two ranks, timed in the same run, and every case prints the all-reduces its rounds made
 (counted on rank 0; the agreement's target is one per round). --before REF times an earlier
-series (a commit of upstream/sglang) alongside.
+series (a commit of upstream/sglang) alongside. --phase decode times a decode step of a running
+batch of three requests instead (its prefill is not timed): the same targets, and with an elastic
+pool the step's vote on its allocation (one all-reduce per decode step) next to the bare one.
 
 Trees: worktrees of upstream/sglang at upstream/<version> and carry/<version>, made under build/.
 """
@@ -85,9 +89,13 @@ for line in sys.stdin:
             times.append(time.perf_counter() - start)
         print(json.dumps({"times": times, "collectives": 0}), flush=True)
         continue
-    rounds = int(line)
+    decode = line.startswith("decode")
+    rounds = int(line.split()[-1])
     times = []
-    collectives[0] = 0
+    timed_collectives = 0  # made inside the timed part of each round only
+    scheduler = harness.scheduler
+    scheduler.enable_skip_finishing_decode = False
+    scheduler.decode_offload_manager = None
     for _ in range(rounds):
         harness.reset()
         if harness.cfg.hicache:
@@ -95,13 +103,27 @@ for line in sys.stdin:
             harness.add_request(prefix + [1, 2, 3])
         for i in range(3):
             harness.add_request(list(range(10 + 50 * i, 30 + 50 * i)))
+        if decode:
+            # The timed step decodes the batch this untimed prefill made.
+            batch = harness.run_round()
+            for req in batch.reqs:
+                req.output_ids.append(7)
+            harness.prepare_next_round()
+            scheduler.running_batch = batch
         if ranks > 1:
             dist.barrier(group=world)  # the ranks start each timed round together
+        collectives_before = collectives[0]
         start = time.perf_counter()
-        batch = harness.run_round()
+        if decode:
+            stepped = scheduler.update_running_batch(batch)
+        else:
+            batch = harness.run_round()
         times.append(time.perf_counter() - start)
+        timed_collectives += collectives[0] - collectives_before
         assert batch is not None and len(batch.reqs) >= 3, "the benchmark batch must allocate"
-    print(json.dumps({"times": times, "collectives": collectives[0]}), flush=True)
+        if decode:
+            assert stepped is batch and len(batch.out_cache_loc) == len(batch.reqs), "the step must allocate"
+    print(json.dumps({"times": times, "collectives": timed_collectives}), flush=True)
 """
 
 
@@ -158,12 +180,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4000, help="timed rounds per tree")
     parser.add_argument("--block", type=int, default=25, help="rounds per alternating block")
     parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="mamba")
+    parser.add_argument(
+        "--config", choices=sorted(CONFIGS), help="the pools (default: mamba; page1 with --phase decode)"
+    )
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1)
+    parser.add_argument(
+        "--phase", choices=("prefill", "decode"), default="prefill", help="what one timed round is"
+    )
     parser.add_argument(
         "--before", metavar="REF", help="also time this commit of upstream/sglang (an earlier series)"
     )
     args = parser.parse_args()
+    if args.config is None:
+        args.config = "page1" if args.phase == "decode" else "mamba"
+    if args.phase == "decode" and CONFIGS[args.config].get("ping_pong"):
+        parser.error(f"--config {args.config}: a ping-pong decode step pins host memory, which needs CUDA")
 
     trees = {
         "pristine": worktree("pristine", f"upstream/{args.version}"),
@@ -186,15 +217,16 @@ def main() -> int:
             store.unlink(missing_ok=True)
             config = {**CONFIGS[args.config], **pools[pool]}
             workers[tree, pool] = start_worker(trees[tree], config, args.ranks, store)
+        phase = "decode " if args.phase == "decode" else ""
         for procs in workers.values():
-            run_block(procs, args.warmup)
+            run_block(procs, args.warmup, command=phase)
         samples: dict[tuple[str, str], list[float]] = {case: [] for case in workers}
         collectives = dict.fromkeys(workers, 0)
         started = time.monotonic()
         order = list(workers)
         while len(samples["patched", "plain"]) < args.rounds:
             for case in order:
-                block = run_block(workers[case], args.block)
+                block = run_block(workers[case], args.block, command=phase)
                 samples[case].extend(block.times)
                 collectives[case] += block.collectives
             order.reverse()
@@ -212,19 +244,22 @@ def main() -> int:
                 proc.wait(timeout=60)
     medians = {case: statistics.median(times) for case, times in samples.items()}
     for (tree, pool), median in medians.items():
-        label = f"{args.ranks} rank(s) {pool:7s} {tree:9s}"
+        label = f"{args.ranks} rank(s) {args.phase} {pool:7s} {tree:9s}"
         per_round = collectives[tree, pool] / len(samples[tree, pool])
         print(
             f"{label} median {median * 1e3:.4f} ms over {args.rounds} rounds, "
             f"{per_round:.2f} all-reduce(s) per round"
         )
     ratio = medians["patched", "plain"] / medians["pristine", "plain"]
-    print(f"{args.ranks} rank(s), plain pools: patched/pristine median ratio {ratio:.4f} (target <= 1.02)")
+    print(
+        f"{args.ranks} rank(s) {args.phase}, plain pools: patched/pristine median ratio {ratio:.4f} "
+        "(target <= 1.02)"
+    )
     if "elastic" in pools:
         for tree in [t for t in trees if t != "pristine"]:
             cost = medians[tree, "elastic"] - medians["pristine", "elastic"]
             print(
-                f"{args.ranks} rank(s), elastic pool: {tree}/pristine median ratio "
+                f"{args.ranks} rank(s) {args.phase}, elastic pool: {tree}/pristine median ratio "
                 f"{medians[tree, 'elastic'] / medians['pristine', 'elastic']:.4f}, "
                 f"the agreement costs {cost * 1e6:.0f} us per round"
             )
