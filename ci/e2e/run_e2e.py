@@ -459,6 +459,8 @@ class RunSpec:
     withheld_drift: bool = False
     # Server flags this run adds (the prefill delayer).
     server_flags: tuple[str, ...] = ()
+    # Where the misses are injected: a prefill batch's allocation, or a decode step's.
+    miss_at: str = "prefill"
 
     @property
     def control_name(self) -> str:
@@ -472,6 +474,7 @@ class Run:
     kind: str
     tp: int = 1
     withheld_tokens: int = 0
+    miss_at: str = "prefill"
     started: bool = False
     finished: int = 0
     failed: int = 0
@@ -480,6 +483,8 @@ class Run:
     # Per TP rank (JSON keys are the rank as text), from the hook's counters in each scheduler.
     misses: dict[str, int] = field(default_factory=dict)
     unwinds: dict[str, int] = field(default_factory=dict)
+    # Decode retractions after a decode step's allocation missed (the carried decode agreement).
+    decode_retractions: dict[str, int] = field(default_factory=dict)
     # Readings of the allocator's available_size() that were reduced (withheld_tokens > 0).
     withheld_readings: dict[str, int] = field(default_factory=dict)
     died_with: dict[str, str] = field(default_factory=dict)
@@ -509,6 +514,8 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         rank = str(record.get("rank", 0))
         run.misses[rank] = run.misses.get(rank, 0) + int(record.get("injected_misses", 0))
         run.unwinds[rank] = run.unwinds.get(rank, 0) + int(record.get("unwinds", 0))
+        retractions = int(record.get("decode_retractions", 0))
+        run.decode_retractions[rank] = run.decode_retractions.get(rank, 0) + retractions
         withheld = int(record.get("withheld_readings", 0))
         run.withheld_readings[rank] = run.withheld_readings.get(rank, 0) + withheld
         run.loads_started += int(record.get("loads_started", 0))
@@ -542,11 +549,21 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         run.outputs_differing = sum(o.output_ids != control.get(o.key) for o in outcomes)
         run.outputs_equal_control = run.outputs_differing == 0
     every_rank = [str(rank) for rank in range(run.tp)]
-    unwound_everywhere = all(run.unwinds.get(rank, 0) > 0 for rank in every_rank)
+    # What every rank must have done after a miss: put the prefill batch back, or retract.
+    recovered = run.decode_retractions if run.miss_at == "decode" else run.unwinds
+    recovery = "retracted after a decode miss" if run.miss_at == "decode" else "unwound"
+    unwound_everywhere = all(recovered.get(rank, 0) > 0 for rank in every_rank)
     if not run.started:
         run.ok, run.verdict = False, "the server never became healthy"
     elif run.kind in INJECTING and run.injected_misses == 0:
-        run.ok, run.verdict = False, "no miss was injected (no load in flight at an allocation)"
+        run.ok, run.verdict = (
+            False,
+            (
+                "no miss was injected (no decode step of two requests or more)"
+                if run.miss_at == "decode"
+                else "no miss was injected (no load in flight at an allocation)"
+            ),
+        )
     elif run.withheld_tokens > 0 and not any(run.withheld_readings.values()):
         run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
     elif run.kind in COMPARING and not complete(control):
@@ -580,10 +597,10 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
     elif run.kind == PATCHED:
         run.ok = bool(everything and unwound_everywhere and run.outputs_equal_control and not run.died_with)
         run.verdict = (
-            "every request finished, every rank unwound, outputs equal the control run's"
+            f"every request finished, every rank {recovery}, outputs equal the control run's"
             if run.ok
             else (
-                f"{run.failed} failed, misses {run.misses}, unwinds {run.unwinds},"
+                f"{run.failed} failed, misses {run.misses}, {recovery}: {recovered},"
                 f" outputs equal control: {run.outputs_equal_control}"
                 f"{'' if not run.outputs_differing else f' ({run.outputs_differing} differ)'},"
                 f" died with {run.died_with or 'nothing'}"
@@ -650,7 +667,8 @@ def run_once(
     request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> tuple[Run, list[Outcome]]:
     started_at = time.monotonic()
-    run = Run(model, spec.name, spec.kind, spec.tp, spec.withheld_tokens, log=f"{model}-{spec.name}.log")
+    log = f"{model}-{spec.name}.log"
+    run = Run(model, spec.name, spec.kind, spec.tp, spec.withheld_tokens, spec.miss_at, log=log)
     counters = out / "counters" / f"{model}-{spec.name}"
     shutil.rmtree(counters, ignore_errors=True)
     env = dict(base_env)
@@ -664,6 +682,8 @@ def run_once(
         env["CARRY_E2E_MISS_RANKS"] = ",".join(map(str, spec.miss_ranks))
     if spec.rank_local:
         env["CARRY_E2E_RANK_LOCAL"] = "1"
+    if spec.miss_at != "prefill":
+        env["CARRY_E2E_MISS_AT"] = spec.miss_at
     if spec.withheld_tokens:
         env["CARRY_E2E_WITHHELD_TOKENS"] = str(spec.withheld_tokens)
         if spec.withhold_ranks is not None:
@@ -712,14 +732,16 @@ def per_rank(counts: dict[str, int]) -> str:
 
 def table(runs: Sequence[Run]) -> list[str]:
     lines = [
-        f"{'model':<7} {'run':<19} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>11} {'unw':>11}"
-        f" {'diff':>4} {'s':>4}  verdict"
+        f"{'model':<7} {'run':<19} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>11}"
+        f" {'unw/retr':>11} {'diff':>4} {'s':>4}  verdict"
     ]
     for r in runs:
         differing = "-" if r.outputs_differing is None else str(r.outputs_differing)
+        # After a decode miss the series retracts; after a prefill miss it unwinds.
+        recovered = r.decode_retractions if r.miss_at == "decode" else r.unwinds
         lines.append(
             f"{r.model:<7} {r.name:<19} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
-            f" {r.host_cached_tokens:>5} {per_rank(r.misses):>11} {per_rank(r.unwinds):>11} {differing:>4}"
+            f" {r.host_cached_tokens:>5} {per_rank(r.misses):>11} {per_rank(recovered):>11} {differing:>4}"
             f" {r.seconds:>4.0f}  {r.verdict}"
         )
     return lines
@@ -761,6 +783,11 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     # As tp2-drift's withholding (steady), with the prefill delayer, which negotiates over the TP
     # group inside admission from the pools' usage.
     (uneven_ranks("tp2-delayer", DRIFT_WITHHELD_TOKENS, server_flags=("--enable-prefill-delayer",)), PATCHED),
+    # The miss in a decode step's allocation on rank 1 only (a co-tenant took the physical memory
+    # the agreed ledger counts): pristine's rank 1 dies while rank 0 waits in the forward; the
+    # series gives the step back and retracts the same request on both ranks.
+    (two_ranks("tp2-decode-pristine", PRISTINE, miss_ranks=(1,), miss_at="decode"), PRISTINE),
+    (two_ranks("tp2-decode-patched", PATCHED, miss_ranks=(1,), miss_at="decode"), PATCHED),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
 

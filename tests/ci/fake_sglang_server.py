@@ -8,7 +8,8 @@ finish_reason, cached_tokens and cached_tokens_details.host (a prefix seen befor
 hit). It writes the counters the injection hook would (CARRY_E2E_COUNTERS_DIR: rank 0's, and with
 --tp 2 rank 1's too), misses only on the ranks CARRY_E2E_MISS_RANKS names, counts a withheld
 reading per request on the ranks CARRY_E2E_WITHHOLD_RANKS names when CARRY_E2E_WITHHELD_TOKENS is
-set (as the hook does while the scheduler is busy), and per MODE:
+set (as the hook does while the scheduler is busy); with CARRY_E2E_MISS_AT=decode the ranks that
+recover count decode retractions instead of unwinds; and per MODE:
 - control:  no miss;
 - no-miss:  no miss even when misses are asked for (a hook that injects nothing);
 - pristine: the first request of the second wave "misses": the missing rank's scheduler records
@@ -47,9 +48,12 @@ counts = {
         "loads_started": 0,
         "unwinds": 0,
         "withheld_readings": 0,
+        "decode_retractions": 0,
     }
     for rank in range(TP)
 }
+# What a rank that recovers from a miss counts: a prefill unwind, or a retraction after a decode miss.
+recovery = "decode_retractions" if os.environ.get("CARRY_E2E_MISS_AT") == "decode" else "unwinds"
 died_with: dict[int, dict[str, str]] = {}
 lock = threading.Lock()
 limit = int(os.environ.get("CARRY_E2E_MISS_LIMIT", "0"))
@@ -125,7 +129,7 @@ class Handler(BaseHTTPRequestHandler):
             if missed and MODE in PATCHED_MODES:
                 unwound = [miss_ranks[0]] if MODE == "one-rank-unwinds" else list(counts)
                 for rank in unwound:
-                    counts[rank]["unwinds"] += 1
+                    counts[rank][recovery] += 1
             save_counters()
         if missed and MODE in ("pristine", "other-death"):
             log("Scheduler hit an exception")

@@ -99,8 +99,35 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "loads_started": 0,
         "unwinds": 0,
         "withheld_readings": 0,
+        "decode_retractions": 0,
         "died_with": None,
     }
+
+
+def test_hook_misses_in_a_decode_step_of_two_requests_and_counts_retractions_after_it(tmp_path: Path) -> None:
+    allocator_class = fresh_classes()["Alloc"]
+
+    class DecodeBatch:
+        def __init__(self, allocator: Any, requests: int) -> None:
+            self.allocator, self.reqs = allocator, [object()] * requests
+
+        def prepare_for_decode(self) -> list[int] | None:
+            result: list[int] | None = self.allocator.alloc(len(self.reqs))
+            return result
+
+        def retract_decode(self, after_allocation_miss: bool = False) -> str:
+            return "retracted"
+
+    injector = hook.Injector(limit=1, counters_dir=None)
+    hook.wrap_decode_preparation(DecodeBatch, injector)
+    hook.wrap_allocators([allocator_class], injector)
+    allocator = allocator_class()
+    assert DecodeBatch(allocator, 1).prepare_for_decode() == [0]  # the warm-up's step: never
+    assert DecodeBatch(allocator, 2).prepare_for_decode() is None  # a miss
+    assert DecodeBatch(allocator, 2).prepare_for_decode() == [0, 1]  # the limit (1) is reached
+    assert DecodeBatch(allocator, 2).retract_decode() == "retracted"  # upstream's own: not counted
+    DecodeBatch(allocator, 2).retract_decode(after_allocation_miss=True)
+    assert injector.counts["injected_misses"] == 1 and injector.counts["decode_retractions"] == 1
 
 
 def test_hook_misses_only_on_the_ranks_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,6 +367,7 @@ WITHOUT = run_e2e.RunSpec("without-load-wait", "without-load-wait")
 TP2_PRISTINE = run_e2e.RunSpec("tp2-pristine", "pristine", tp=2, miss_ranks=(1,), rank_local=True)
 TP2_PATCHED = run_e2e.RunSpec("tp2-patched", "patched", tp=2, miss_ranks=(1,), rank_local=True)
 TP2_UNEVEN = next(spec for spec, _ in run_e2e.CPU_PLAN if spec.name == "tp2-uneven")
+TP2_DECODE = next(spec for spec, _ in run_e2e.CPU_PLAN if spec.name == "tp2-decode-patched")
 
 
 @pytest.fixture
@@ -389,13 +417,25 @@ def test_uneven_ranks_withhold_on_rank_0_miss_on_rank_1_and_match_the_control(
     assert uneven.verdict == "every request finished, every rank unwound, outputs equal the control run's"
 
 
+def test_a_decode_miss_on_one_rank_is_retracted_on_both(
+    tmp_path: Path, control_outputs: dict[str, list[int]]
+) -> None:
+    assert (TP2_DECODE.kind, TP2_DECODE.miss_at, TP2_DECODE.miss_ranks) == ("patched", "decode", (1,))
+    patched, _ = _run(tmp_path, "patched", TP2_DECODE, control_outputs)
+    assert patched.ok, patched
+    assert patched.decode_retractions == {"0": 3, "1": 3} and patched.unwinds == {"0": 0, "1": 0}
+    assert "every rank retracted after a decode miss" in patched.verdict
+    one_rank, _ = _run(tmp_path, "one-rank-unwinds", TP2_DECODE, control_outputs)
+    assert not one_rank.ok and "retracted after a decode miss: {'0': 0, '1': 3}" in one_rank.verdict
+
+
 @pytest.mark.parametrize(
     ("mode", "verdict"),
     [
         ("skewed", "outputs equal control: False (6 differ)"),  # silent corruption
         ("abort", "1 failed"),  # a request that does not finish
         ("hang", "HANG: 3 request(s) timed out"),  # the ranks stall (the run's bounds end it)
-        ("one-rank-unwinds", "unwinds {'0': 0, '1': 3}"),
+        ("one-rank-unwinds", "unwound: {'0': 0, '1': 3}"),
         ("no-withhold", "nothing was withheld"),  # the ranks' free space did not differ
         ("pristine", "died with {'1': 'RuntimeError"),  # a scheduler died
     ],
@@ -433,7 +473,7 @@ def test_tp2_uneven_is_compared_with_the_tp2_control() -> None:
         ("other-death", PRISTINE, "the server died, but no scheduler of the allocation error"),
         ("skewed", PATCHED, "outputs equal control: False"),
         ("patched", WITHOUT, "the missing wait went unseen"),
-        ("one-rank-unwinds", TP2_PATCHED, "unwinds {'0': 0, '1': 3}"),
+        ("one-rank-unwinds", TP2_PATCHED, "unwound: {'0': 0, '1': 3}"),
         ("hang", PATCHED, "HANG: 3 request(s) timed out"),  # each missed request hangs
     ],
 )

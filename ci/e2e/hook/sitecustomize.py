@@ -15,6 +15,12 @@ on the ranks CARRY_E2E_MISS_RANKS names (comma-separated; default: every rank), 
 elastic pool misses on one rank only. CARRY_E2E_RANK_LOCAL=1 marks the KV allocators
 `rank_local_capacity` on every rank, as a kvcached pool is.
 
+With CARRY_E2E_MISS_AT=decode the misses are injected inside a decode step's allocation instead
+(`ScheduleBatch.prepare_for_decode` of a batch of at least two requests, so never the server's
+one-request warm-up), one per step, as an elastic pool misses when a co-tenant took the physical
+memory since the ranks last agreed; decode retractions after such a miss (`retract_decode` called
+with `after_allocation_miss`, the carried decode agreement) are counted.
+
 Ranks of different free space, as a kvcached elastic pool has under co-tenancy (its
 `available_size()` is per rank): with CARRY_E2E_WITHHELD_TOKENS=N (default 0: off), the token
 allocator's `available_size()` reports N tokens fewer than it has (never below 0) on the ranks
@@ -58,6 +64,10 @@ SAVE_EVERY_S = 0.5
 # Where each tree allocates a prefill batch, first match wins: the patched scheduler calls
 # allocate_for_extend; prepare_for_extend calls it too there, so only one of them is wrapped.
 BATCH_ALLOCATION_METHODS = ("allocate_for_extend", "prepare_for_extend")
+DECODE_PREPARATION_METHOD = "prepare_for_decode"
+DECODE_RETRACTION_METHOD = "retract_decode"
+# A decode step is eligible for a miss from this many requests on (the warm-up decodes one).
+DECODE_MISS_MIN_REQUESTS = 2
 UNWIND_METHOD = "_unwind_prefill_batch"
 # The scheduler's event loop, outermost first (run_event_loop dispatches to one event_loop_*).
 EVENT_LOOP_METHODS = ("run_event_loop", "event_loop_normal", "event_loop_overlap")
@@ -85,6 +95,7 @@ class Injector:
             "loads_started": 0,
             "unwinds": 0,
             "withheld_readings": 0,
+            "decode_retractions": 0,
         }
         # The scheduler whose event loop runs in this process (set when it starts).
         self.scheduler: Any = None
@@ -99,6 +110,17 @@ class Injector:
         load started."""
         previous = getattr(self._local, "loading", False)
         self._local.loading = getattr(batch, "hicache_consumer_index", -1) >= 0
+        try:
+            yield
+        finally:
+            self._local.loading = previous
+
+    @contextlib.contextmanager
+    def decoding(self, batch: Any) -> Iterator[None]:
+        """Around a decode step's preparation: its allocation is eligible when the batch holds
+        DECODE_MISS_MIN_REQUESTS requests or more."""
+        previous = getattr(self._local, "loading", False)
+        self._local.loading = len(getattr(batch, "reqs", ())) >= DECODE_MISS_MIN_REQUESTS
         try:
             yield
         finally:
@@ -257,6 +279,25 @@ def wrap_batch_allocation(batch_class: type, injector: Injector) -> str:
     return name
 
 
+def wrap_decode_preparation(batch_class: type, injector: Injector) -> None:
+    """Make a decode step's allocation eligible for a miss, and count the retractions the carried
+    decode agreement makes after one."""
+    prepare = batch_class.__dict__[DECODE_PREPARATION_METHOD]
+    retract = batch_class.__dict__[DECODE_RETRACTION_METHOD]
+
+    def prepare_for_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with injector.decoding(self):
+            return prepare(self, *args, **kwargs)
+
+    def retract_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("after_allocation_miss"):
+            injector.count("decode_retractions")
+        return retract(self, *args, **kwargs)
+
+    setattr(batch_class, DECODE_PREPARATION_METHOD, prepare_for_decode)
+    setattr(batch_class, DECODE_RETRACTION_METHOD, retract_decode)
+
+
 def wrap_allocators(classes: Sequence[type], injector: Injector) -> list[str]:
     """Wrap `alloc` / `alloc_extend` where each class defines them; returns what was wrapped."""
     wrapped = []
@@ -383,8 +424,13 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
         drift=env.get("CARRY_E2E_WITHHELD_DRIFT") == "1",
     )
 
+    miss_at_decode = env.get("CARRY_E2E_MISS_AT", "prefill") == "decode"
+
     def patch_batch(module: Any) -> None:
-        wrap_batch_allocation(module.ScheduleBatch, injector)
+        if miss_at_decode:
+            wrap_decode_preparation(module.ScheduleBatch, injector)
+        else:
+            wrap_batch_allocation(module.ScheduleBatch, injector)
         # The allocators are imported by then (schedule_batch imports the allocator package).
         allocator = sys.modules.get(ALLOCATOR_PACKAGE)
         base = getattr(allocator, "BaseTokenToKVPoolAllocator", None)
