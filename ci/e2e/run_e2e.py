@@ -475,6 +475,7 @@ class Run:
     tp: int = 1
     withheld_tokens: int = 0
     miss_at: str = "prefill"
+    withheld_drift: bool = False
     started: bool = False
     finished: int = 0
     failed: int = 0
@@ -485,8 +486,10 @@ class Run:
     unwinds: dict[str, int] = field(default_factory=dict)
     # Decode retractions after a decode step's allocation missed (the carried decode agreement).
     decode_retractions: dict[str, int] = field(default_factory=dict)
-    # Readings of the allocator's available_size() that were reduced (withheld_tokens > 0).
+    # Readings of the allocator's available_size() that were reduced (withheld_tokens > 0), and how
+    # many different amounts they withheld.
     withheld_readings: dict[str, int] = field(default_factory=dict)
+    withheld_amounts: dict[str, int] = field(default_factory=dict)
     died_with: dict[str, str] = field(default_factory=dict)
     loads_started: int = 0
     unwinds_logged: int = 0
@@ -518,6 +521,8 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         run.decode_retractions[rank] = run.decode_retractions.get(rank, 0) + retractions
         withheld = int(record.get("withheld_readings", 0))
         run.withheld_readings[rank] = run.withheld_readings.get(rank, 0) + withheld
+        amounts = int(record.get("withheld_amounts", 0))
+        run.withheld_amounts[rank] = max(run.withheld_amounts.get(rank, 0), amounts)
         run.loads_started += int(record.get("loads_started", 0))
         died = record.get("died_with")
         if died:
@@ -566,6 +571,8 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         )
     elif run.withheld_tokens > 0 and not any(run.withheld_readings.values()):
         run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
+    elif run.withheld_drift and max(run.withheld_amounts.values(), default=0) < 2:
+        run.ok, run.verdict = False, "the withheld reading did not drift (one amount withheld throughout)"
     elif run.kind in COMPARING and not complete(control):
         run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
@@ -668,7 +675,9 @@ def run_once(
 ) -> tuple[Run, list[Outcome]]:
     started_at = time.monotonic()
     log = f"{model}-{spec.name}.log"
-    run = Run(model, spec.name, spec.kind, spec.tp, spec.withheld_tokens, spec.miss_at, log=log)
+    run = Run(
+        model, spec.name, spec.kind, spec.tp, spec.withheld_tokens, spec.miss_at, spec.withheld_drift, log=log
+    )
     counters = out / "counters" / f"{model}-{spec.name}"
     shutil.rmtree(counters, ignore_errors=True)
     env = dict(base_env)

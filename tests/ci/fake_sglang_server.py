@@ -23,6 +23,7 @@ recover count decode retractions instead of unwinds; and per MODE:
   load wait does);
 - abort:    like patched, but the first request that missed is aborted (finish_reason abort);
 - no-withhold: like patched, but nothing is withheld even when asked (a hook that reduced nothing);
+- no-drift: like patched, but a drifting withholding withholds one amount throughout;
 - hang:     misses, then never answers the request that missed (a rank waiting in a collective).
 With --child-pid-file it starts a child in its own process group (a scheduler) and records its PID.
 """
@@ -49,6 +50,7 @@ counts = {
         "unwinds": 0,
         "withheld_readings": 0,
         "decode_retractions": 0,
+        "withheld_amounts": 0,
     }
     for rank in range(TP)
 }
@@ -62,7 +64,7 @@ miss_ranks = [int(r) for r in ranks.split(",")] if ranks else list(range(TP))
 withheld_tokens = int(os.environ.get("CARRY_E2E_WITHHELD_TOKENS", "0"))
 withholding = os.environ.get("CARRY_E2E_WITHHOLD_RANKS", "")
 withhold_ranks = [int(r) for r in withholding.split(",")] if withholding else list(range(TP))
-PATCHED_MODES = ("patched", "skewed", "one-rank-unwinds", "abort", "no-withhold")
+PATCHED_MODES = ("patched", "skewed", "one-rank-unwinds", "abort", "no-withhold", "no-drift")
 ALLOCATION_ERROR = {
     "type": "RuntimeError",
     "message": "Out of memory. Try to lower your batch size.",
@@ -115,6 +117,10 @@ class Handler(BaseHTTPRequestHandler):
             if withheld_tokens > 0 and MODE != "no-withhold":
                 for rank in withhold_ranks:
                     counts[rank]["withheld_readings"] += 1
+                    # A drifting reading takes a new amount each time (up to four); a steady one one.
+                    drifting = os.environ.get("CARRY_E2E_WITHHELD_DRIFT") == "1" and MODE != "no-drift"
+                    readings = counts[rank]["withheld_readings"]
+                    counts[rank]["withheld_amounts"] = min(4, readings) if drifting else 1
             if host_hit:
                 for rank_counts in counts.values():
                     rank_counts["loads_started"] += 1

@@ -100,6 +100,7 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "unwinds": 0,
         "withheld_readings": 0,
         "decode_retractions": 0,
+        "withheld_amounts": 0,
         "died_with": None,
     }
 
@@ -224,8 +225,19 @@ def test_a_drifting_withholder_changes_the_reading_at_every_read(tmp_path: Path)
     withholder = hook.Withholder(injector, tokens=300, ranks=None, drift=True)
     readings = [withholder.reading(lambda: 1000) for _ in range(8)]
     assert readings == [1000, 900, 800, 700] * 2
+    assert injector.counts["withheld_amounts"] == 4
     steady = hook.Withholder(injector, tokens=300, ranks=None)
     assert {steady.reading(lambda: 1000) for _ in range(4)} == {700}
+
+
+def test_a_drift_run_fails_when_the_reading_did_not_drift(
+    tmp_path: Path, control_outputs: dict[str, list[int]]
+) -> None:
+    drift = next(spec for spec, _ in run_e2e.CPU_PLAN if spec.name == "tp2-drift")
+    drifted, _ = _run(tmp_path, "patched", drift, control_outputs)
+    assert drifted.ok and drifted.withheld_amounts == {"0": 4, "1": 0}, drifted
+    steady, _ = _run(tmp_path, "no-drift", drift, control_outputs)
+    assert not steady.ok and steady.verdict.startswith("the withheld reading did not drift"), steady
 
 
 def test_the_drift_and_delayer_runs_compare_with_the_tp2_control() -> None:

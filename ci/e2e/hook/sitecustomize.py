@@ -96,6 +96,8 @@ class Injector:
             "unwinds": 0,
             "withheld_readings": 0,
             "decode_retractions": 0,
+            # How many different amounts the withheld readings took (2 or more: it drifted).
+            "withheld_amounts": 0,
         }
         # The scheduler whose event loop runs in this process (set when it starts).
         self.scheduler: Any = None
@@ -199,6 +201,7 @@ class Withholder:
         self.injector, self.tokens, self.ranks, self.drift = injector, tokens, ranks, drift
         self._local = threading.local()
         self._readings = 0
+        self._amounts: set[int] = set()
 
     def withheld(self) -> int:
         """What this reading withholds: `tokens`, or with `drift` a different amount at every
@@ -227,8 +230,12 @@ class Withholder:
             self._local.depth = depth
         if depth > 0 or not self.active():
             return size
+        amount = self.withheld()
+        if amount not in self._amounts:
+            self._amounts.add(amount)
+            self.injector.counts["withheld_amounts"] = len(self._amounts)
         self.injector.count("withheld_readings", save_every_s=SAVE_EVERY_S)
-        return max(0, size - self.withheld())
+        return max(0, size - amount)
 
 
 def give_uniform_readings(classes: Sequence[type]) -> list[str]:
