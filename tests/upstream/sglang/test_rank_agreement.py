@@ -851,6 +851,33 @@ def test_an_admitting_round_makes_one_collective_once_agreed() -> None:
         assert collectives == [2, 1, missed_round, 2, 1, 2]
 
 
+class _DelayerReadThePools(Exception):
+    """Stops a round where the prefill delayer reads the pools' usage."""
+
+
+def test_the_ranks_agree_before_the_prefill_delayer_reads_the_pools() -> None:
+    """The prefill delayer sizes its decision from the pools' usage and negotiates it over the TP
+    group: it must read the agreed free space, so the agreement comes first in the round."""
+    with sh.build_harness(elastic=True) as h:
+        sched = h.scheduler
+        agreed_when_read: list[bool] = []
+
+        def get_pool_stats() -> Any:
+            agreed_when_read.append(sched._prefill_agreement.capacity.current)
+            raise _DelayerReadThePools
+
+        h.add_request(_prompt(0))
+        observer = types.SimpleNamespace(get_pool_stats=get_pool_stats)
+        with (
+            mock.patch.object(sched, "prefill_delayer", object()),
+            # The harness's scheduler has no observer of its own.
+            mock.patch.object(sched, "pool_stats_observer", observer, create=True),
+            pytest.raises(_DelayerReadThePools),
+        ):
+            h.run_round()
+        assert agreed_when_read == [True]
+
+
 def test_a_tree_cache_without_an_agreement_helper_agrees_over_the_schedulers_groups(
     two_ranks: TwoRanks,
 ) -> None:
