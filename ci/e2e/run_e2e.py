@@ -506,6 +506,16 @@ class Run:
     def injected_misses(self) -> int:
         return sum(self.misses.values())
 
+    @property
+    def recoveries(self) -> dict[str, int]:
+        """What each rank did after a miss, per rank: put the prefill batch back (unwinds), or,
+        after a decode miss, retract."""
+        return self.decode_retractions if self.miss_at == "decode" else self.unwinds
+
+    @property
+    def recovery(self) -> str:
+        return "retracted after a decode miss" if self.miss_at == "decode" else "unwound"
+
 
 def read_counters(folder: Path) -> list[dict[str, Any]]:
     """The hook's counters, one record per process that wrote any."""
@@ -554,10 +564,7 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         run.outputs_differing = sum(o.output_ids != control.get(o.key) for o in outcomes)
         run.outputs_equal_control = run.outputs_differing == 0
     every_rank = [str(rank) for rank in range(run.tp)]
-    # What every rank must have done after a miss: put the prefill batch back, or retract.
-    recovered = run.decode_retractions if run.miss_at == "decode" else run.unwinds
-    recovery = "retracted after a decode miss" if run.miss_at == "decode" else "unwound"
-    unwound_everywhere = all(recovered.get(rank, 0) > 0 for rank in every_rank)
+    unwound_everywhere = all(run.recoveries.get(rank, 0) > 0 for rank in every_rank)
     if not run.started:
         run.ok, run.verdict = False, "the server never became healthy"
     elif run.kind in INJECTING and run.injected_misses == 0:
@@ -604,10 +611,10 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
     elif run.kind == PATCHED:
         run.ok = bool(everything and unwound_everywhere and run.outputs_equal_control and not run.died_with)
         run.verdict = (
-            f"every request finished, every rank {recovery}, outputs equal the control run's"
+            f"every request finished, every rank {run.recovery}, outputs equal the control run's"
             if run.ok
             else (
-                f"{run.failed} failed, misses {run.misses}, {recovery}: {recovered},"
+                f"{run.failed} failed, misses {run.misses}, {run.recovery}: {run.recoveries},"
                 f" outputs equal control: {run.outputs_equal_control}"
                 f"{'' if not run.outputs_differing else f' ({run.outputs_differing} differ)'},"
                 f" died with {run.died_with or 'nothing'}"
@@ -746,11 +753,9 @@ def table(runs: Sequence[Run]) -> list[str]:
     ]
     for r in runs:
         differing = "-" if r.outputs_differing is None else str(r.outputs_differing)
-        # After a decode miss the series retracts; after a prefill miss it unwinds.
-        recovered = r.decode_retractions if r.miss_at == "decode" else r.unwinds
         lines.append(
             f"{r.model:<7} {r.name:<19} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
-            f" {r.host_cached_tokens:>5} {per_rank(r.misses):>11} {per_rank(recovered):>11} {differing:>4}"
+            f" {r.host_cached_tokens:>5} {per_rank(r.misses):>11} {per_rank(r.recoveries):>11} {differing:>4}"
             f" {r.seconds:>4.0f}  {r.verdict}"
         )
     return lines

@@ -106,23 +106,22 @@ class Injector:
         self._lock = threading.Lock()
         self._saved_at = float("-inf")
 
-    @contextlib.contextmanager
-    def allocating(self, batch: Any) -> Iterator[None]:
+    def allocating(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         """Around a prefill batch's allocation: allocations inside are eligible when the batch's
         load started."""
-        previous = getattr(self._local, "loading", False)
-        self._local.loading = getattr(batch, "hicache_consumer_index", -1) >= 0
-        try:
-            yield
-        finally:
-            self._local.loading = previous
+        return self._eligible_while(getattr(batch, "hicache_consumer_index", -1) >= 0)
 
-    @contextlib.contextmanager
-    def decoding(self, batch: Any) -> Iterator[None]:
+    def decoding(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         """Around a decode step's preparation: its allocation is eligible when the batch holds
         DECODE_MISS_MIN_REQUESTS requests or more."""
+        return self._eligible_while(len(getattr(batch, "reqs", ())) >= DECODE_MISS_MIN_REQUESTS)
+
+    @contextlib.contextmanager
+    def _eligible_while(self, eligible: bool) -> Iterator[None]:
+        """Allocations in this thread are eligible for a miss inside the block (nested blocks
+        restore the outer one's state)."""
         previous = getattr(self._local, "loading", False)
-        self._local.loading = len(getattr(batch, "reqs", ())) >= DECODE_MISS_MIN_REQUESTS
+        self._local.loading = eligible
         try:
             yield
         finally:
