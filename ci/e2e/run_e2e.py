@@ -16,18 +16,22 @@ pristine wheel from the pin, the patched wheel built if missing, the series with
 wait), served by the line's test environment with SGLANG_USE_CPU_ENGINE=1 and the stand-ins of
 ci/e2e/cpu/ (sgl_kernel's CPU ops, the two HiCache copy kernels, plain host-pool memory, and
 HiCache's copy streams running their copies later on a worker, so a load is really in flight).
-The runs (`--runs`, default all of CPU_RUNS): control, pristine, patched, without-load-wait, and
-the same first three with --tp-size 2 (tp2-control, tp2-pristine, tp2-patched), the miss on rank 1
-only and the KV pool marked rank-local on every rank, as a kvcached elastic pool is; and
-tp2-uneven, tp2-patched with rank 0's free
-space reported WITHHELD_TOKENS lower while its scheduler is busy, so the ranks admit differently;
-tp2-drift, as tp2-uneven with the withheld amount changing at every reading (as kvcached's
-TTL-cached physical reading drifts); tp2-delayer, as tp2-uneven with --enable-prefill-delayer,
-which negotiates over the TP group inside admission.
+The runs (`--runs`, default all of CPU_RUNS the line has): control, pristine, patched,
+without-load-wait, and the same first three with --tp-size 2 (tp2-control, tp2-pristine,
+tp2-patched), the miss on rank 1 only and the KV pool marked rank-local on every rank, as a
+kvcached elastic pool is; and tp2-uneven, tp2-patched with rank 0's free space reported
+WITHHELD_TOKENS lower while its scheduler is busy, so the ranks admit differently; tp2-drift,
+as tp2-uneven with the withheld amount changing at every reading (as kvcached's TTL-cached
+physical reading drifts); tp2-delayer, as tp2-uneven with --enable-prefill-delayer, which
+negotiates over the TP group inside admission.
+And the natural runs, no miss injected: natural-control, natural-pristine, natural-patched and
+their tp2- twins serve traffic under which upstream's own admission overcommits a chunked prefill
+(NATURAL: the flags, traffic and mechanism), natural-control on a pool large enough not to miss;
+a line older than a scenario's first_line runs without them (report.json names them).
 
-Every server runs `python -m sglang.launch_server` with --skip-tokenizer-init, native HiCache
-(write-through), a 1024-token KV pool and no CUDA graphs, under bounded traffic that fills the
-device pool, evicts to host and loads back. Expected:
+Every server runs `python -m sglang.launch_server` with --skip-tokenizer-init and no CUDA graphs;
+the injected runs (HICACHE) with native HiCache (write-through) and a 1024-token KV pool, under
+bounded traffic that fills the device pool, evicts to host and loads back. Expected:
 - control: no miss; every request finishes, host hits are seen;
 - pristine: misses injected; a scheduler dies of the allocation error (its own exception, recorded
   by the hook in the scheduler process: raised in sglang's mem_cache). A pristine server that
@@ -37,6 +41,11 @@ device pool, evicts to host and loads back. Expected:
   reading of the free space was reduced;
 - without-load-wait (CPU): misses injected; every request finishes and the hazard shows: some
   outputs differ from control's (how many is reported). Equal outputs fail: the wait went unseen.
+- natural runs: the control never misses; pristine's scheduler dies of its own allocation error
+  (a pristine that survives is "no natural miss this time", a failure: the run showed nothing);
+  patched unwinds on every rank, every request finishes, float32 outputs equal natural-control's.
+  A differing output is reported with how often its prefill was put back (by rid, from the
+  scheduler's unwinds).
 A run meant to inject that saw no miss fails. A run whose requests time out while its server is
 alive is a hang (requests are bounded by REQUEST_TIMEOUT_S, a run by RUN_TIMEOUT_S).
 
@@ -75,6 +84,7 @@ from typing import Any, TypeGuard
 
 import cpu_line  # beside this file (it puts the tool's package on sys.path)
 from cpu_line import unpack_wheel
+from packaging.version import Version
 
 from sglang_carry.errors import CarryError
 
@@ -117,6 +127,61 @@ UNWIND_LOG = re.compile(r"Prefill allocation (missed|diverged across ranks); unw
 # The pristine scheduler's own exception must be raised where sglang allocates a prefill batch: the
 # allocation helpers (a KV or row miss) or the pools (a Mamba or ping-pong slot assert).
 ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/(allocation|memory_pool)\.py:")
+# The pool, cache and scheduling flags of the injected runs: native HiCache (write-through) over a
+# small device pool, so the traffic above evicts to host and loads back.
+HICACHE_FLAGS = (
+    "--enable-hierarchical-cache",
+    "--hicache-write-policy",
+    "write_through",
+    "--hicache-ratio",
+    "8",
+    "--max-total-tokens",
+    str(MAX_TOTAL_TOKENS),
+    "--page-size",
+    "1",
+    "--max-running-requests",
+    "8",
+    "--chunked-prefill-size",
+    str(CHUNK_TOKENS),
+)
+# Natural runs: upstream's own prefill allocation miss, no hook (sgl-project/sglang #30743: a
+# chunked prefill continued when the budget is spent). One long prompt is chunked; short prompts
+# arrive while it is. Under shortest-prefill-first, `shortest_prefill_chunk_limit`
+# (managers/schedule_policy.py:418-438 in 0.5.23) caps each continuation chunk to leave room for
+# the shorter waiting requests, which are then admitted beside it with their new tokens reserved;
+# a prefill runs before any decode (managers/scheduler.py:3992-3994), so they keep their
+# reservation while the chunks go on, until the budget's total is spent. Then
+# `available_chunk_tokens` (mem_cache/prefill_budget.py:142-145: "single-pool continuation must
+# make progress") hands the continuation a whole chunk anyway, more than the pool holds free, and
+# `alloc_token_slots` raises "Out of memory ... Try to allocate 128 tokens"
+# (mem_cache/allocation.py:160-170), which kills the scheduler. Float32, so the patched outputs
+# can be compared exactly (in bf16 a re-chunked prompt can flip a greedy near-tie).
+NATURAL_LONG_TOKENS = 3000
+NATURAL_SHORT_TOKENS = 48
+NATURAL_SHORT_REQUESTS = 30
+NATURAL_SHORT_AFTER_S = 0.1
+NATURAL_POOL_TOKENS = 3300
+# The natural control's pool: the same traffic never misses in it.
+NATURAL_ROOMY_POOL_TOKENS = 16384
+
+
+def natural_flags(pool_tokens: int) -> tuple[str, ...]:
+    return (
+        "--schedule-policy",
+        "shortest-prefill-first",
+        "--max-total-tokens",
+        str(pool_tokens),
+        "--chunked-prefill-size",
+        "128",
+        "--max-running-requests",
+        "64",
+        "--page-size",
+        "1",
+        "--dtype",
+        "float32",
+    )
+
+
 # CPU servers: sglang's CPU engine, its native attention (the x86 default needs AMX kernels).
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native"]
 
@@ -236,7 +301,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(python: str, model_dir: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
+def server_command(
+    python: str, model_dir: Path, port: int, extra: Sequence[str] = (), scenario_flags: Sequence[str] = ()
+) -> list[str]:
+    """The server's command line: what every run shares, the scenario's pool and scheduling flags
+    (default: HICACHE's), then the run's own."""
     return [
         python,
         "-m",
@@ -248,19 +317,6 @@ def server_command(python: str, model_dir: Path, port: int, extra: Sequence[str]
         "--port",
         str(port),
         "--skip-tokenizer-init",
-        "--enable-hierarchical-cache",
-        "--hicache-write-policy",
-        "write_through",
-        "--hicache-ratio",
-        "8",
-        "--max-total-tokens",
-        str(MAX_TOTAL_TOKENS),
-        "--page-size",
-        "1",
-        "--max-running-requests",
-        "8",
-        "--chunked-prefill-size",
-        str(CHUNK_TOKENS),
         "--mem-fraction-static",
         "0.3",
         "--cuda-graph-backend-decode",
@@ -272,6 +328,7 @@ def server_command(python: str, model_dir: Path, port: int, extra: Sequence[str]
         "0",
         "--log-level",
         "info",
+        *(scenario_flags or HICACHE_FLAGS),
         *extra,
     ]
 
@@ -335,8 +392,10 @@ class _no_such_process:
 # --------------------------------------------------------------------------------------------
 @dataclass
 class Request:
-    key: str  # "round.group": the same key in two runs is the same prompt
+    key: str  # e.g. "round.group": the same key in two runs is the same prompt (and its rid)
     input_ids: list[int]
+    # Sent this long after its wave starts (every request of a wave is in flight at once).
+    send_after_s: float = 0.0
 
 
 @dataclass
@@ -362,11 +421,65 @@ def plan_traffic(seed: int = 0) -> list[list[Request]]:
     ]
 
 
+def plan_natural_traffic(seed: int = 0) -> list[list[Request]]:
+    """One wave: the long prompt, then (NATURAL_SHORT_AFTER_S later, while it is chunked) the
+    short ones, all at once."""
+    rng = random.Random(seed)
+    long = Request("long", [rng.randrange(3, VOCAB) for _ in range(NATURAL_LONG_TOKENS)])
+    shorts = [
+        Request(
+            f"short.{i}",
+            [rng.randrange(3, VOCAB) for _ in range(NATURAL_SHORT_TOKENS)],
+            NATURAL_SHORT_AFTER_S,
+        )
+        for i in range(NATURAL_SHORT_REQUESTS)
+    ]
+    return [[long, *shorts]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What a run's server is given and sent: its pool, cache and scheduling flags (the control
+    run's may differ), the traffic (waves) and how many requests are in flight at once. Where the
+    misses come from: the hook (`injects`) or the server itself."""
+
+    name: str
+    flags: tuple[str, ...]
+    control_flags: tuple[str, ...]
+    plan: Callable[[], list[list[Request]]]
+    concurrency: int
+    injects: bool
+    # A control must see host hits and loads (the traffic's prefixes come back from host).
+    control_loads_from_host: bool
+    # The first sglang line whose code has what the scenario relies on.
+    first_line: str = "0.5.20"
+
+    def keys(self) -> set[str]:
+        return {request.key for wave in self.plan() for request in wave}
+
+
+HICACHE = Scenario("hicache", HICACHE_FLAGS, HICACHE_FLAGS, plan_traffic, CONCURRENCY, True, True)
+# The control serves the same traffic from a pool large enough not to miss.
+NATURAL = Scenario(
+    "natural",
+    natural_flags(NATURAL_POOL_TOKENS),
+    natural_flags(NATURAL_ROOMY_POOL_TOKENS),
+    plan_natural_traffic,
+    NATURAL_SHORT_REQUESTS + 1,
+    False,
+    False,
+    # shortest-prefill-first and its chunk limit came in 0.5.21.
+    first_line="0.5.21",
+)
+
+
 def generate(base_url: str, request: Request, timeout_s: float = REQUEST_TIMEOUT_S) -> Outcome:
+    time.sleep(request.send_after_s)
     body = json.dumps(
         {
             "input_ids": request.input_ids,
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
+            "rid": request.key,
         }
     ).encode()
     post = urllib.request.Request(
@@ -397,8 +510,9 @@ def drive(
     alive: Callable[[], bool],
     deadline: float | None = None,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    concurrency: int = CONCURRENCY,
 ) -> list[Outcome]:
-    """Send every wave (CONCURRENCY at a time), stopping early once the server is gone or the
+    """Send every wave (`concurrency` at a time), stopping early once the server is gone or the
     run's deadline (time.monotonic()) has passed; no request outlives the deadline."""
 
     def timeout() -> float:
@@ -406,7 +520,7 @@ def drive(
         return max(0.1, min(request_timeout_s, left))
 
     outcomes: list[Outcome] = []
-    with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         for number, wave in enumerate(waves):
             if not alive():
                 outcomes += [Outcome(r.key, False, error="server gone") for r in wave]
@@ -461,10 +575,16 @@ class RunSpec:
     server_flags: tuple[str, ...] = ()
     # Where the misses are injected: a prefill batch's allocation, or a decode step's.
     miss_at: str = "prefill"
+    scenario: Scenario = HICACHE
 
     @property
     def control_name(self) -> str:
-        return CONTROL if self.tp == 1 else f"tp{self.tp}-{CONTROL}"
+        ranks = "" if self.tp == 1 else f"tp{self.tp}-"
+        scenario = "" if self.scenario is HICACHE else f"{self.scenario.name}-"
+        return f"{ranks}{scenario}{CONTROL}"
+
+    def server_flags_of_scenario(self) -> tuple[str, ...]:
+        return self.scenario.control_flags if self.kind == CONTROL else self.scenario.flags
 
 
 @dataclass
@@ -476,6 +596,7 @@ class Run:
     withheld_tokens: int = 0
     miss_at: str = "prefill"
     withheld_drift: bool = False
+    scenario: str = HICACHE.name
     started: bool = False
     finished: int = 0
     failed: int = 0
@@ -496,6 +617,11 @@ class Run:
     server_died: bool = False
     outputs_equal_control: bool | None = None
     outputs_differing: int | None = None
+    # Each request whose output differs from the control's, with how often its prefill was put
+    # back (the most on any rank, from the scheduler's own unwinds).
+    differing_requests: dict[str, int] = field(default_factory=dict)
+    # Requests whose prefill was put back, and how often (the most on any rank).
+    unwound_requests: dict[str, int] = field(default_factory=dict)
     verdict: str = ""
     ok: bool = False
     seconds: float = 0.0
@@ -534,40 +660,48 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         amounts = int(record.get("withheld_amounts", 0))
         run.withheld_amounts[rank] = max(run.withheld_amounts.get(rank, 0), amounts)
         run.loads_started += int(record.get("loads_started", 0))
+        for rid, times in (record.get("unwound_rids") or {}).items():
+            run.unwound_requests[rid] = max(run.unwound_requests.get(rid, 0), int(times))
         died = record.get("died_with")
         if died:
             run.died_with[rank] = f"{died['type']}: {died['message'].strip()} (raised in {died['raised_in']})"
 
 
-def died_of_allocation(run: Run) -> list[str]:
-    """The ranks that had a miss injected and whose scheduler's own exception was raised in
-    sglang's prefill allocation code."""
+def died_of_allocation(run: Run, injected: bool) -> list[str]:
+    """The ranks whose scheduler's own exception was raised in sglang's prefill allocation code
+    (and, where the misses are injected, that had one injected)."""
     return sorted(
         rank
         for rank, error in run.died_with.items()
-        if ALLOCATION_CODE.search(error) and run.misses.get(rank, 0) > 0
+        if ALLOCATION_CODE.search(error) and (run.misses.get(rank, 0) > 0 or not injected)
     )
 
 
-def complete(control: dict[str, list[int]] | None) -> TypeGuard[dict[str, list[int]]]:
+def complete(
+    control: dict[str, list[int]] | None, scenario: Scenario = HICACHE
+) -> TypeGuard[dict[str, list[int]]]:
     """A control run to compare with: it answered every request of the traffic."""
-    return control is not None and set(control) == {r.key for wave in plan_traffic() for r in wave}
+    return control is not None and set(control) == scenario.keys()
 
 
-def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | None) -> None:
+def judge(
+    run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | None, scenario: Scenario = HICACHE
+) -> None:
     """Set run.verdict / run.ok from what the run showed, against its kind's expectation."""
     run.finished = sum(o.ok for o in outcomes)
     run.failed = len(outcomes) - run.finished
     run.host_cached_tokens = sum(o.host_cached for o in outcomes)
     everything = run.failed == 0 and run.started
-    if complete(control) and everything:
-        run.outputs_differing = sum(o.output_ids != control.get(o.key) for o in outcomes)
+    if complete(control, scenario) and everything:
+        differing_keys = [o.key for o in outcomes if o.output_ids != control.get(o.key)]
+        run.differing_requests = {key: run.unwound_requests.get(key, 0) for key in differing_keys}
+        run.outputs_differing = len(differing_keys)
         run.outputs_equal_control = run.outputs_differing == 0
     every_rank = [str(rank) for rank in range(run.tp)]
     unwound_everywhere = all(run.recoveries.get(rank, 0) > 0 for rank in every_rank)
     if not run.started:
         run.ok, run.verdict = False, "the server never became healthy"
-    elif run.kind in INJECTING and run.injected_misses == 0:
+    elif scenario.injects and run.kind in INJECTING and run.injected_misses == 0:
         run.ok, run.verdict = (
             False,
             (
@@ -580,12 +714,20 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
     elif run.withheld_drift and max(run.withheld_amounts.values(), default=0) < 2:
         run.ok, run.verdict = False, "the withheld reading did not drift (one amount withheld throughout)"
-    elif run.kind in COMPARING and not complete(control):
+    elif run.kind in COMPARING and not complete(control, scenario):
         run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
         run.ok, run.verdict = (
             False,
             f"HANG: {sum(map(timed_out, outcomes))} request(s) timed out, server alive",
+        )
+    elif run.kind == CONTROL and not scenario.control_loads_from_host:
+        # The reference of a natural run: its pool never missed, so nothing was put back.
+        run.ok = everything and not any(run.unwinds.values()) and not run.died_with
+        run.verdict = (
+            "all requests finished, no miss"
+            if run.ok
+            else f"{run.failed} failed, unwinds {run.unwinds}, died with {run.died_with or 'nothing'}"
         )
     elif run.kind == CONTROL:
         run.ok = everything and run.host_cached_tokens > 0 and run.loads_started > 0 and not run.died_with
@@ -597,7 +739,7 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
         )
     elif run.kind == PRISTINE:
         if run.server_died or run.failed or run.died_with:
-            ranks = died_of_allocation(run)
+            ranks = died_of_allocation(run, scenario.injects)
             run.ok = bool(ranks)
             run.verdict = (
                 f"the scheduler died with the allocation error (as expected; rank {', '.join(ranks)})"
@@ -605,19 +747,24 @@ def judge(run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | Non
                 else "the server died, but no scheduler of the allocation error"
                 f" ({run.died_with or 'no error recorded'})"
             )
-        else:
+        elif scenario.injects:
             run.ok = True
             run.verdict = "UPSTREAM FIXED IT: pristine survived the injected misses (drop the unwind entries)"
+        else:
+            # The traffic did not bring the miss about this time (or upstream fixed it): the run
+            # showed nothing, so it cannot pass.
+            run.ok, run.verdict = False, "no natural miss this time: pristine survived its traffic"
     elif run.kind == PATCHED:
         run.ok = bool(everything and unwound_everywhere and run.outputs_equal_control and not run.died_with)
+        differ = run.outputs_differing
+        each = f" ({differ} differ, each with its unwinds: {run.differing_requests})" if differ else ""
         run.verdict = (
             f"every request finished, every rank {run.recovery}, outputs equal the control run's"
             if run.ok
             else (
                 f"{run.failed} failed, misses {run.misses}, {run.recovery}: {run.recoveries},"
                 f" outputs equal control: {run.outputs_equal_control}"
-                f"{'' if not run.outputs_differing else f' ({run.outputs_differing} differ)'},"
-                f" died with {run.died_with or 'nothing'}"
+                f"{each}, died with {run.died_with or 'nothing'}"
             )
         )
     else:
@@ -682,8 +829,17 @@ def run_once(
 ) -> tuple[Run, list[Outcome]]:
     started_at = time.monotonic()
     log = f"{model}-{spec.name}.log"
+    scenario = spec.scenario
     run = Run(
-        model, spec.name, spec.kind, spec.tp, spec.withheld_tokens, spec.miss_at, spec.withheld_drift, log=log
+        model,
+        spec.name,
+        spec.kind,
+        spec.tp,
+        spec.withheld_tokens,
+        spec.miss_at,
+        spec.withheld_drift,
+        scenario.name,
+        log=log,
     )
     counters = out / "counters" / f"{model}-{spec.name}"
     shutil.rmtree(counters, ignore_errors=True)
@@ -691,9 +847,10 @@ def run_once(
     path = [*map(str, [*([spec.site] if spec.site else []), *pythonpath, HOOK]), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(path).rstrip(os.pathsep)
     env["CARRY_E2E_COUNTERS_DIR"] = str(counters)
-    # The hook runs in every run (it counts loads and unwinds); only the control run injects nothing.
+    # The hook runs in every run (it counts loads and unwinds and records a scheduler's death); a
+    # control run, and a run whose misses are the server's own (natural), inject nothing.
     env["CARRY_E2E_INJECT"] = "1"
-    env["CARRY_E2E_MISS_LIMIT"] = "0" if spec.kind == CONTROL else str(MISS_LIMIT)
+    env["CARRY_E2E_MISS_LIMIT"] = str(MISS_LIMIT) if scenario.injects and spec.kind != CONTROL else "0"
     if spec.miss_ranks is not None:
         env["CARRY_E2E_MISS_RANKS"] = ",".join(map(str, spec.miss_ranks))
     if spec.rank_local:
@@ -714,7 +871,14 @@ def run_once(
         run.started = server.wait_healthy(startup_timeout_s)
         if run.started:
             deadline = time.monotonic() + run_timeout_s
-            outcomes = drive(server.base_url, plan_traffic(), server.alive, deadline, request_timeout_s)
+            outcomes = drive(
+                server.base_url,
+                scenario.plan(),
+                server.alive,
+                deadline,
+                request_timeout_s,
+                scenario.concurrency,
+            )
             # Requests that timed out while the server was still up: it hung (it may die later).
             run.hung = server.alive() and any(timed_out(o) for o in outcomes)
             time.sleep(1.0)  # let a dying scheduler take the server down before we look
@@ -727,9 +891,9 @@ def run_once(
     run.unwinds_logged = len(UNWIND_LOG.findall(text))
     if not run.started:
         outcomes = [
-            Outcome(r.key, False, error="server never became healthy") for w in plan_traffic() for r in w
+            Outcome(r.key, False, error="server never became healthy") for w in scenario.plan() for r in w
         ]
-    judge(run, outcomes, control)
+    judge(run, outcomes, control, scenario)
     run.seconds = time.monotonic() - started_at
     return run, outcomes
 
@@ -748,13 +912,13 @@ def per_rank(counts: dict[str, int]) -> str:
 
 def table(runs: Sequence[Run]) -> list[str]:
     lines = [
-        f"{'model':<7} {'run':<19} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>11}"
+        f"{'model':<7} {'run':<21} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>11}"
         f" {'unw/retr':>11} {'diff':>4} {'s':>4}  verdict"
     ]
     for r in runs:
         differing = "-" if r.outputs_differing is None else str(r.outputs_differing)
         lines.append(
-            f"{r.model:<7} {r.name:<19} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
+            f"{r.model:<7} {r.name:<21} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
             f" {r.host_cached_tokens:>5} {per_rank(r.misses):>11} {per_rank(r.recoveries):>11} {differing:>4}"
             f" {r.seconds:>4.0f}  {r.verdict}"
         )
@@ -802,8 +966,26 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     # series gives the step back and retracts the same request on both ranks.
     (two_ranks("tp2-decode-pristine", PRISTINE, miss_ranks=(1,), miss_at="decode"), PRISTINE),
     (two_ranks("tp2-decode-patched", PATCHED, miss_ranks=(1,), miss_at="decode"), PATCHED),
+    # Upstream's own prefill allocation miss (NATURAL: no hook, the traffic and flags bring it
+    # about): pristine dies of it; the series puts the batch back and serves everything, its
+    # outputs equal to the same traffic's on a pool that never misses (natural-control).
+    (RunSpec("natural-control", CONTROL, scenario=NATURAL), PATCHED),
+    (RunSpec("natural-pristine", PRISTINE, scenario=NATURAL), PRISTINE),
+    (RunSpec("natural-patched", PATCHED, scenario=NATURAL), PATCHED),
+    (two_ranks("tp2-natural-control", CONTROL, scenario=NATURAL), PATCHED),
+    (two_ranks("tp2-natural-pristine", PRISTINE, scenario=NATURAL), PRISTINE),
+    (two_ranks("tp2-natural-patched", PATCHED, scenario=NATURAL), PATCHED),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
+
+
+def runs_not_on_line(names: Sequence[str], version: str) -> dict[str, str]:
+    """The runs among `names` whose scenario the line's code lacks, each with the reason."""
+    return {
+        spec.name: f"needs sglang {spec.scenario.first_line} or newer ({spec.scenario.name})"
+        for spec, _ in CPU_PLAN
+        if spec.name in names and Version(version) < Version(spec.scenario.first_line)
+    }
 
 
 def runs_without_their_control(names: Sequence[str]) -> list[str]:
@@ -847,8 +1029,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help="GPU: dense,hybrid (CPU: dense only)")
     parser.add_argument(
         "--runs",
-        default=",".join(CPU_RUNS),
-        help="CPU: which runs, in the order of CPU_PLAN (default: all)",
+        default=None,
+        help="CPU: which runs, in the order of CPU_PLAN (default: all the line has)",
     )
     parser.add_argument("--python", default=sys.executable, help="GPU: the interpreter that runs the servers")
     parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)
@@ -860,7 +1042,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"device": args.device}
     plans: list[tuple[str, list[str], list[RunSpec], list[Path], str]] = []
     if args.device == "cpu":
-        names = [n for n in args.runs.split(",") if n]
+        names = [n for n in (args.runs or ",".join(CPU_RUNS)).split(",") if n]
         unknown = sorted(set(names) - set(CPU_RUNS))
         if unknown or (args.models not in (None, "dense")):
             what = f"unknown run(s) {', '.join(unknown)}" if unknown else f"--models {args.models}"
@@ -878,13 +1060,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         try:
             line = cpu_line.prepare(args.upstream, out)
-            specs = cpu_specs(line, out, names)
+            absent = runs_not_on_line(names, line.version)
+            if absent and args.runs is not None:
+                what = "; ".join(f"{name} {why}" for name, why in absent.items())
+                print(
+                    f"e2e: error: --runs: {what} (the line is {line.version}): leave it out", file=sys.stderr
+                )
+                return 2
+            specs = cpu_specs(line, out, [name for name in names if name not in absent])
         except (CarryError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as error:
             print(f"e2e: error: the line cannot be prepared: {error}", file=sys.stderr)
             return 2
         env = cpu_env(env, out)
         plans.append(("dense", CPU_FLAGS, specs, [CPU_STANDINS, line.server_deps], str(line.python)))
         report |= {
+            "runs_not_on_this_line": absent,
             "upstream": line.version,
             "wheel": line.patched_wheel.name,
             "pristine_wheel": line.pristine_wheel.name,
@@ -913,7 +1103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in specs:
             port = free_port()
             flags = [*extra, *(["--tp-size", str(spec.tp)] if spec.tp > 1 else []), *spec.server_flags]
-            command = server_command(python, models[model], port, flags)
+            command = server_command(python, models[model], port, flags, spec.server_flags_of_scenario())
             control = controls.get(spec.control_name) if spec.kind != CONTROL else None
             run, outcomes = run_once(
                 model,

@@ -24,7 +24,11 @@ recover count decode retractions instead of unwinds; and per MODE:
 - abort:    like patched, but the first request that missed is aborted (finish_reason abort);
 - no-withhold: like patched, but nothing is withheld even when asked (a hook that reduced nothing);
 - no-drift: like patched, but a drifting withholding withholds one amount throughout;
-- hang:     misses, then never answers the request that missed (a rank waiting in a collective).
+- hang:     misses, then never answers the request that missed (a rank waiting in a collective);
+- natural-pristine: no miss is injected, yet the first request's scheduler dies of the allocation
+  error on every rank (upstream's own miss) and the server exits;
+- natural-patched: no miss is injected, yet the first request is put back once on every rank
+  (counted per rid too), and everything is answered.
 With --child-pid-file it starts a child in its own process group (a scheduler) and records its PID.
 """
 
@@ -57,6 +61,8 @@ counts = {
 # What a rank that recovers from a miss counts: a prefill unwind, or a retraction after a decode miss.
 recovery = "decode_retractions" if os.environ.get("CARRY_E2E_MISS_AT") == "decode" else "unwinds"
 died_with: dict[int, dict[str, str]] = {}
+unwound_rids: dict[int, dict[str, int]] = {rank: {} for rank in range(TP)}
+natural_missed = [False]
 lock = threading.Lock()
 limit = int(os.environ.get("CARRY_E2E_MISS_LIMIT", "0"))
 ranks = os.environ.get("CARRY_E2E_MISS_RANKS", "")
@@ -82,7 +88,13 @@ def save_counters() -> None:
         for rank, rank_counts in counts.items():
             target = Path(folder) / f"{os.getpid()}-{rank}.json"
             temporary = target.with_suffix(".tmp")
-            temporary.write_text(json.dumps({"rank": rank, **rank_counts, "died_with": died_with.get(rank)}))
+            record = {
+                "rank": rank,
+                **rank_counts,
+                "unwound_rids": unwound_rids[rank],
+                "died_with": died_with.get(rank),
+            }
+            temporary.write_text(json.dumps(record))
             temporary.replace(target)
 
 
@@ -130,6 +142,14 @@ class Handler(BaseHTTPRequestHandler):
                     missed = True
                     # Decided under the lock: a concurrent request may count the next miss first.
                     aborted = MODE == "abort" and missing["injected_misses"] == 1
+            natural = MODE.startswith("natural-") and not natural_missed[0]
+            natural_missed[0] = natural_missed[0] or MODE.startswith("natural-")
+            if natural and MODE == "natural-pristine":
+                died_with.update(dict.fromkeys(counts, ALLOCATION_ERROR))
+            if natural and MODE == "natural-patched":
+                for rank in counts:
+                    counts[rank]["unwinds"] += 1
+                    unwound_rids[rank][request.get("rid", "")] = 1
             if missed and MODE in ("pristine", "other-death"):
                 died_with[miss_ranks[0]] = ALLOCATION_ERROR if MODE == "pristine" else OTHER_ERROR
             if missed and MODE in PATCHED_MODES:
@@ -137,7 +157,7 @@ class Handler(BaseHTTPRequestHandler):
                 for rank in unwound:
                     counts[rank][recovery] += 1
             save_counters()
-        if missed and MODE in ("pristine", "other-death"):
+        if (missed and MODE in ("pristine", "other-death")) or (natural and MODE == "natural-pristine"):
             log("Scheduler hit an exception")
             os._exit(1)
         if missed and MODE == "hang":

@@ -101,6 +101,7 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "withheld_readings": 0,
         "decode_retractions": 0,
         "withheld_amounts": 0,
+        "unwound_rids": {},
         "died_with": None,
     }
 
@@ -149,7 +150,7 @@ def test_hook_counts_unwinds_and_records_the_schedulers_own_error(tmp_path: Path
         raise RuntimeError("Out of memory. Try to lower your batch size.")
 
     class Scheduler:
-        def _unwind_prefill_batch(self) -> str:
+        def _unwind_prefill_batch(self, batch: Any, *rest: Any) -> str:
             return "unwound"
 
         def run_event_loop(self) -> None:
@@ -161,11 +162,13 @@ def test_hook_counts_unwinds_and_records_the_schedulers_own_error(tmp_path: Path
     injector = hook.Injector(limit=0, counters_dir=tmp_path)
     assert hook.wrap_scheduler(Scheduler, injector) == ["_unwind_prefill_batch", "run_event_loop"]
     scheduler = Scheduler()
-    assert scheduler._unwind_prefill_batch() == "unwound"
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="long"), SimpleNamespace(rid="short.0")])
+    assert scheduler._unwind_prefill_batch(batch, None) == "unwound"
+    scheduler._unwind_prefill_batch(SimpleNamespace(reqs=[SimpleNamespace(rid="long")]))
     with pytest.raises(RuntimeError, match="Out of memory"):
         scheduler.run_event_loop()
     saved = json.loads((tmp_path / f"{os.getpid()}.json").read_text())
-    assert saved["unwinds"] == 1
+    assert saved["unwinds"] == 2 and saved["unwound_rids"] == {"long": 2, "short.0": 1}
     assert saved["died_with"]["type"] == "RuntimeError"
     assert saved["died_with"]["raised_in"].endswith("test_e2e.py:allocation_error")
 
@@ -444,7 +447,7 @@ def test_a_decode_miss_on_one_rank_is_retracted_on_both(
 @pytest.mark.parametrize(
     ("mode", "verdict"),
     [
-        ("skewed", "outputs equal control: False (6 differ)"),  # silent corruption
+        ("skewed", "outputs equal control: False (6 differ, each with its unwinds"),  # silent corruption
         ("abort", "1 failed"),  # a request that does not finish
         ("hang", "HANG: 3 request(s) timed out"),  # the ranks stall (the run's bounds end it)
         ("one-rank-unwinds", "unwound: {'0': 0, '1': 3}"),
@@ -601,3 +604,71 @@ def test_flags_and_configs_are_what_sglang_reads(tmp_path: Path) -> None:
     config = get_config(str(models["hybrid"]), trust_remote_code=False)
     assert type(config).__name__ == "Qwen3_5TextConfig"
     assert config.full_attention_layer_ids == [3]  # hybrid: three Gated DeltaNet layers, one attention
+
+
+# --------------------------------------------------------------------------------------------
+# Natural runs: upstream's own miss, no hook
+# --------------------------------------------------------------------------------------------
+NATURAL_SPECS = {spec.name: spec for spec, _ in run_e2e.CPU_PLAN if spec.scenario is run_e2e.NATURAL}
+
+
+@pytest.fixture
+def small_natural_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_e2e, "NATURAL_SHORT_REQUESTS", 3)
+
+
+def test_natural_runs_are_judged_on_the_servers_own_miss(tmp_path: Path, small_natural_traffic: None) -> None:
+    assert set(NATURAL_SPECS) == {
+        f"{ranks}natural-{kind}" for ranks in ("", "tp2-") for kind in ("control", "pristine", "patched")
+    }
+    assert all(spec.control_name.endswith("natural-control") for spec in NATURAL_SPECS.values())
+    control, outcomes = _run(tmp_path, "control", NATURAL_SPECS["natural-control"])
+    assert control.ok and control.finished == 4, control
+    assert control.verdict == "all requests finished, no miss"
+    reference = {o.key: o.output_ids for o in outcomes}
+    assert set(reference) == {"long", "short.0", "short.1", "short.2"}
+
+    pristine, _ = _run(tmp_path, "natural-pristine", NATURAL_SPECS["natural-pristine"], reference)
+    assert pristine.ok and pristine.injected_misses == 0 and pristine.server_died, pristine
+    assert "allocation.py" in pristine.died_with["0"]
+    patched, _ = _run(tmp_path, "natural-patched", NATURAL_SPECS["natural-patched"], reference)
+    assert patched.ok and patched.injected_misses == 0, patched
+    assert patched.unwinds == {"0": 1} and patched.unwound_requests == {"long": 1}
+    assert patched.outputs_differing == 0 and patched.differing_requests == {}
+
+    two_ranks, _ = _run(tmp_path, "natural-pristine", NATURAL_SPECS["tp2-natural-pristine"], reference)
+    assert two_ranks.ok and two_ranks.verdict.endswith("(as expected; rank 0, 1)"), two_ranks
+
+
+def test_natural_verdicts_fail_without_a_miss_or_with_one_in_the_control(
+    tmp_path: Path, small_natural_traffic: None
+) -> None:
+    reference = {o.key: o.output_ids for o in _run(tmp_path, "control", NATURAL_SPECS["natural-control"])[1]}
+    survivor, _ = _run(tmp_path, "control", NATURAL_SPECS["natural-pristine"], reference)
+    assert not survivor.ok and survivor.verdict == "no natural miss this time: pristine survived its traffic"
+    never_unwound, _ = _run(tmp_path, "control", NATURAL_SPECS["natural-patched"], reference)
+    assert not never_unwound.ok and "unwound: {'0': 0}" in never_unwound.verdict, never_unwound
+    control_missed, _ = _run(tmp_path, "natural-patched", NATURAL_SPECS["natural-control"])
+    assert not control_missed.ok and control_missed.verdict.startswith("0 failed, unwinds {'0': 1}")
+
+
+def test_a_run_names_each_request_whose_output_differs_with_its_unwinds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(run_e2e, "NATURAL_SHORT_REQUESTS", 1)
+    run = run_e2e.Run("dense", "natural-patched", "patched", scenario="natural", started=True)
+    run.unwinds, run.unwound_requests = {"0": 2}, {"long": 2}
+    outcomes = [run_e2e.Outcome("long", True, [1, 2]), run_e2e.Outcome("short.0", True, [3])]
+    run_e2e.judge(run, outcomes, {"long": [1, 9], "short.0": [3]}, run_e2e.NATURAL)
+    assert not run.ok and run.outputs_differing == 1 and run.differing_requests == {"long": 2}
+    assert "(1 differ, each with its unwinds: {'long': 2})" in run.verdict
+
+
+def test_a_line_without_the_natural_mechanism_runs_without_the_natural_runs() -> None:
+    names = ["control", "natural-control", "tp2-natural-patched"]
+    reason = "needs sglang 0.5.21 or newer (natural)"
+    assert run_e2e.runs_not_on_line(names, "0.5.20") == {
+        "natural-control": reason,
+        "tp2-natural-patched": reason,
+    }
+    assert run_e2e.runs_not_on_line(names, "0.5.21") == {}

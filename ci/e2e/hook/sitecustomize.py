@@ -30,8 +30,8 @@ is taken from the pool (an allocation still succeeds on the real free list). See
 when the withholding applies (only while the scheduler is busy) and why.
 
 Observed per process (its TP rank recorded): eligible allocations, injected misses, loads started,
-prefill unwinds (the scheduler's unwind, where the tree has one), withheld readings (readings of
-`available_size()` that were reduced), and the exception the
+prefill unwinds (the scheduler's unwind, where the tree has one; per request too, by rid),
+withheld readings (readings of `available_size()` that were reduced), and the exception the
 scheduler's event loop died with, if it did (type, message, where it was raised). They go to
 CARRY_E2E_COUNTERS_DIR/<pid>.json, rewritten (atomically) on every change, so they survive a
 killed server. With CARRY_E2E_CPU=1 the CPU stand-ins (ci/e2e/cpu/carry_e2e_cpu.py) are
@@ -99,6 +99,8 @@ class Injector:
             # How many different amounts the withheld readings took (2 or more: it drifted).
             "withheld_amounts": 0,
         }
+        # Each request whose prefill was put back (by rid), and how often.
+        self.unwound_rids: dict[str, int] = {}
         # The scheduler whose event loop runs in this process (set when it starts).
         self.scheduler: Any = None
         self.died_with: dict[str, str] | None = None
@@ -146,6 +148,14 @@ class Injector:
             if time.monotonic() - self._saved_at >= save_every_s:
                 self._save()
 
+    def unwound(self, batch: Any) -> None:
+        """One unwind of `batch`: counted, and for each of its requests."""
+        with self._lock:
+            for req in getattr(batch, "reqs", None) or ():
+                rid = str(req.rid)
+                self.unwound_rids[rid] = self.unwound_rids.get(rid, 0) + 1
+        self.count("unwinds")
+
     def load_started(self, producer_index: int) -> None:
         if producer_index >= 0:
             self.count("loads_started")
@@ -165,7 +175,13 @@ class Injector:
         self.counters_dir.mkdir(parents=True, exist_ok=True)
         target = self.counters_dir / f"{os.getpid()}.json"
         temporary = target.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"rank": tp_rank(), **self.counts, "died_with": self.died_with}))
+        record = {
+            "rank": tp_rank(),
+            **self.counts,
+            "unwound_rids": self.unwound_rids,
+            "died_with": self.died_with,
+        }
+        temporary.write_text(json.dumps(record))
         temporary.replace(target)
         self._saved_at = time.monotonic()
 
@@ -346,7 +362,7 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
 
         def unwind_prefill_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = unwind(self, *args, **kwargs)
-            injector.count("unwinds")
+            injector.unwound(args[0] if args else kwargs.get("batch"))
             return result
 
         setattr(scheduler_class, UNWIND_METHOD, unwind_prefill_batch)
