@@ -1,0 +1,362 @@
+"""Benchmark: what the series costs a real sglang server on CPU, and what recovering from a natural
+miss costs.
+
+    .venv-test/bin/python ci/bench/server.py [--upstream V] [--repeats 3] [--out build/bench-server]
+
+Not a test. The line is prepared as the CPU end-to-end test prepares it (ci/e2e/cpu_line.py: the
+official wheel from the pin, the patched wheel from dist/, built if missing) and served by the
+line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py).
+
+1. The series' cost, nothing missing: the same traffic (TRAFFIC_REQUESTS greedy requests, random
+   prompts of PROMPT_TOKENS_MIN..MAX tokens, OUTPUT_TOKENS new tokens each, CONCURRENCY in flight,
+   streamed) on the pristine and on the patched wheel, servers alternating (pristine, patched,
+   pristine, ...) `--repeats` times, with one rank and with two ranks whose KV pool is marked
+   rank-local (as a kvcached pool is: the patched ranks then agree on every admitting prefill
+   round and vote on every decode step, the agreement's real cost). Per server: requests/s,
+   output tokens/s, time to first token and end-to-end latency (median, p99); per case the median
+   over the repeats and the ratio patched/pristine. Targets: throughput ratio >= 0.98 and p99
+   TTFT ratio <= 1.05, with one rank and with two.
+2. Recovery from a natural miss (ci/e2e/run_e2e.py NATURAL): the patched server on the natural
+   traffic next to the same traffic on a pool large enough not to miss: wall time, latency median
+   and p99, and their ratios (printed, no target: the price of not crashing).
+
+Prints a table last, writes report.json to --out. Exit 0 when every target holds, 1 when one does
+not, 2 when the line cannot be prepared or a server does not serve the traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+E2E = Path(__file__).resolve().parents[1] / "e2e"
+sys.path.insert(0, str(E2E))
+
+import cpu_line  # noqa: E402  (puts the tool's package on sys.path)
+import run_e2e  # noqa: E402
+from cpu_line import unpack_wheel  # noqa: E402
+
+from sglang_carry.errors import CarryError  # noqa: E402
+
+TRAFFIC_REQUESTS = 48
+PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX = 64, 256
+OUTPUT_TOKENS = 32
+CONCURRENCY = 8
+# A pool every request of the traffic fits in at once: nothing misses, nothing is retracted.
+POOL_FLAGS = (
+    "--max-total-tokens",
+    "16384",
+    "--page-size",
+    "1",
+    "--chunked-prefill-size",
+    "1024",
+    "--max-running-requests",
+    "16",
+)
+THROUGHPUT_TARGET = 0.98
+TTFT_P99_TARGET = 1.05
+REQUEST_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 900.0
+# Two CPU ranks need their OpenMP cores named (sglang's CPU engine).
+TWO_RANK_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@dataclass
+class Served:
+    """One server's pass over the traffic."""
+
+    tree: str
+    seconds: float
+    requests: int
+    output_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    failed: int = 0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def summary(served: Served) -> dict[str, float]:
+    return {
+        "requests_per_s": served.requests_per_s,
+        "output_tokens_per_s": served.output_tokens_per_s,
+        "ttft_median_ms": 1000 * statistics.median(served.ttft_s),
+        "ttft_p99_ms": 1000 * percentile(served.ttft_s, 0.99),
+        "latency_median_ms": 1000 * statistics.median(served.latency_s),
+        "latency_p99_ms": 1000 * percentile(served.latency_s, 0.99),
+        "seconds": served.seconds,
+    }
+
+
+def plan_bench_traffic(seed: int = 0) -> list[run_e2e.Request]:
+    rng = random.Random(seed)
+    return [
+        run_e2e.Request(
+            f"bench.{i}",
+            [
+                rng.randrange(3, run_e2e.VOCAB)
+                for _ in range(rng.randint(PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX))
+            ],
+        )
+        for i in range(TRAFFIC_REQUESTS)
+    ]
+
+
+def stream(port: int, request: run_e2e.Request, max_new_tokens: int) -> tuple[float, float, int]:
+    """Send one streamed greedy request; (time to first token, end-to-end latency, output tokens).
+    Raises OSError / ValueError when the server does not serve it."""
+    time.sleep(request.send_after_s)
+    body = json.dumps(
+        {
+            "input_ids": request.input_ids,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "stream": True,
+        }
+    )
+    connection = http.client.HTTPConnection(run_e2e.HOST, port, timeout=REQUEST_TIMEOUT_S)
+    start = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    finished = False
+    try:
+        connection.request("POST", "/generate", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise ValueError(f"HTTP {response.status}")
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:") :])
+            if first is None and chunk.get("output_ids"):
+                first = time.perf_counter() - start
+            meta = chunk.get("meta_info") or {}
+            tokens = int(meta.get("completion_tokens", tokens))
+            finish = meta.get("finish_reason") or {}
+            finished = finished or (isinstance(finish, dict) and finish.get("type") in ("length", "stop"))
+    finally:
+        connection.close()
+    if first is None or not finished:
+        raise ValueError("the stream ended unfinished")
+    return first, time.perf_counter() - start, tokens
+
+
+def serve_traffic(
+    tree: str, port: int, requests: Sequence[run_e2e.Request], max_new_tokens: int, concurrency: int
+) -> Served:
+    """Every request, `concurrency` in flight; the wall time from the first send to the last answer."""
+    served = Served(tree, 0.0, len(requests), 0)
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(stream, port, request, max_new_tokens) for request in requests]
+        for future in futures:
+            try:
+                ttft, latency, tokens = future.result()
+            except (OSError, ValueError, http.client.HTTPException):
+                served.failed += 1
+                continue
+            served.ttft_s.append(ttft)
+            served.latency_s.append(latency)
+            served.output_tokens += tokens
+    served.seconds = time.perf_counter() - start
+    return served
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tp: int
+    flags: tuple[str, ...]
+    requests: tuple[run_e2e.Request, ...]
+    max_new_tokens: int
+    concurrency: int
+
+
+def run_server(
+    case: Case,
+    tree: str,
+    site: Path,
+    python: Path,
+    pythonpath: Sequence[Path],
+    model: Path,
+    out: Path,
+    env: dict[str, str],
+) -> Served:
+    port = run_e2e.free_port()
+    extra = [*run_e2e.CPU_FLAGS, *(["--tp-size", str(case.tp)] if case.tp > 1 else [])]
+    command = run_e2e.server_command(str(python), model, port, extra, case.flags)
+    server_env = dict(env)
+    path = [str(site), *map(str, pythonpath), str(run_e2e.HOOK)]
+    server_env["PYTHONPATH"] = os.pathsep.join(path)
+    # The hook injects nothing (limit 0); with two ranks it marks the pool rank-local.
+    server_env |= {"CARRY_E2E_INJECT": "1", "CARRY_E2E_MISS_LIMIT": "0"}
+    if case.tp > 1:
+        server_env |= {"CARRY_E2E_RANK_LOCAL": "1", **TWO_RANK_ENV}
+    log = out / "logs" / f"{case.name}-{tree}-{time.strftime('%H%M%S')}.log"
+    server = run_e2e.Server.start(command, server_env, log, port)
+    try:
+        if not server.wait_healthy(STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"{case.name} on {tree}: the server never became healthy (see {log})")
+        # Warm-up: the first request compiles and allocates what the timed ones reuse.
+        serve_traffic(tree, port, case.requests[:2], case.max_new_tokens, 2)
+        served = serve_traffic(tree, port, case.requests, case.max_new_tokens, case.concurrency)
+    finally:
+        server.stop()
+    if served.failed:
+        raise RuntimeError(f"{case.name} on {tree}: {served.failed} request(s) not served (see {log})")
+    return served
+
+
+def over_target(case: str, ratios: dict[str, float]) -> list[str]:
+    """What of a case's patched/pristine ratios misses its target, one line each."""
+    failures = []
+    if ratios["requests_per_s"] < THROUGHPUT_TARGET:
+        failures.append(f"{case}: throughput ratio {ratios['requests_per_s']:.4f} < {THROUGHPUT_TARGET}")
+    if ratios["ttft_p99_ms"] > TTFT_P99_TARGET:
+        failures.append(f"{case}: p99 TTFT ratio {ratios['ttft_p99_ms']:.4f} > {TTFT_P99_TARGET}")
+    return failures
+
+
+def median_of(runs: Sequence[Served]) -> dict[str, float]:
+    summaries = [summary(run) for run in runs]
+    return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ci/bench/server.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", help="the sglang line (default: the newest with a series)")
+    parser.add_argument("--repeats", type=int, default=3, help="servers per tree and case, alternating")
+    parser.add_argument("--out", type=Path, default=run_e2e.ROOT / "build" / "bench-server")
+    parser.add_argument("--cases", default="tp1,tp2,natural", help="which of tp1, tp2, natural")
+    args = parser.parse_args(argv)
+    out: Path = args.out.resolve()
+    shutil.rmtree(out / "logs", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        line = cpu_line.prepare(args.upstream, out)
+    except (CarryError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as error:
+        print(f"bench: error: the line cannot be prepared: {error}", file=sys.stderr)
+        return 2
+    sites = {
+        "pristine": unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
+        "patched": unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
+    }
+    model = run_e2e.write_models(out / "models", ["dense"])["dense"]
+    env = run_e2e.cpu_env({k: v for k, v in os.environ.items() if not k.startswith("CARRY_E2E_")}, out)
+    pythonpath = [run_e2e.CPU_STANDINS, line.server_deps]
+    traffic = tuple(plan_bench_traffic())
+    natural = tuple(run_e2e.plan_natural_traffic()[0])
+    chosen = [c for c in args.cases.split(",") if c]
+    report: dict[str, Any] = {"upstream": line.version, "repeats": args.repeats, "cases": {}}
+    lines: list[str] = []
+    failures: list[str] = []
+    try:
+        for tp in (1, 2):
+            if f"tp{tp}" not in chosen:
+                continue
+            case = Case(f"tp{tp}", tp, POOL_FLAGS, traffic, OUTPUT_TOKENS, CONCURRENCY)
+            runs: dict[str, list[Served]] = {"pristine": [], "patched": []}
+            for repeat in range(args.repeats):
+                for tree in ("pristine", "patched"):
+                    served = run_server(case, tree, sites[tree], line.python, pythonpath, model, out, env)
+                    runs[tree].append(served)
+                    print(
+                        f"bench: {case.name} {tree} {repeat + 1}/{args.repeats}:"
+                        f" {served.requests_per_s:.2f} req/s, {served.output_tokens_per_s:.1f} tok/s",
+                        flush=True,
+                    )
+            medians = {tree: median_of(served) for tree, served in runs.items()}
+            ratios = {key: medians["patched"][key] / medians["pristine"][key] for key in medians["patched"]}
+            report["cases"][case.name] = {
+                "medians": medians,
+                "ratios": ratios,
+                "runs": {tree: [summary(s) for s in served] for tree, served in runs.items()},
+            }
+            label = "one rank" if tp == 1 else "two ranks, rank-local pool"
+            lines += [f"{case.name} ({label}): median of {args.repeats} servers per tree"]
+            lines += table_lines(medians, ratios)
+            failures += over_target(case.name, ratios)
+        if "natural" in chosen:
+            pool_flags = {
+                "no miss": run_e2e.natural_flags(run_e2e.NATURAL_ROOMY_POOL_TOKENS),
+                "natural miss": run_e2e.natural_flags(run_e2e.NATURAL_POOL_TOKENS),
+            }
+            recovered: dict[str, list[Served]] = {name: [] for name in pool_flags}
+            for _ in range(args.repeats):
+                for name, flags in pool_flags.items():
+                    case = Case(
+                        f"natural-{name.replace(' ', '-')}",
+                        1,
+                        flags,
+                        natural,
+                        run_e2e.MAX_NEW_TOKENS,
+                        len(natural),
+                    )
+                    recovered[name].append(
+                        run_server(
+                            case, "patched", sites["patched"], line.python, pythonpath, model, out, env
+                        )
+                    )
+            medians = {name: median_of(served) for name, served in recovered.items()}
+            ratios = {
+                key: medians["natural miss"][key] / medians["no miss"][key] for key in medians["no miss"]
+            }
+            report["cases"]["natural"] = {"medians": medians, "ratios": ratios}
+            lines += ["natural traffic on the patched wheel: a pool that misses / one that does not"]
+            lines += table_lines(medians, ratios)
+    except RuntimeError as error:
+        print(f"bench: error: {error}", file=sys.stderr)
+        return 2
+    report["failures"] = failures
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print("\n".join(lines))
+    for failure in failures:
+        print(f"bench: over target: {failure}")
+    return 1 if failures else 0
+
+
+def table_lines(medians: dict[str, dict[str, float]], ratios: dict[str, float]) -> list[str]:
+    first, second = medians
+    rows = [f"  {'':<22} {first:>12} {second:>12} {'ratio':>8}"]
+    for key in (
+        "requests_per_s",
+        "output_tokens_per_s",
+        "ttft_median_ms",
+        "ttft_p99_ms",
+        "latency_median_ms",
+        "latency_p99_ms",
+        "seconds",
+    ):
+        rows.append(
+            f"  {key:<22} {medians[first][key]:>12.2f} {medians[second][key]:>12.2f} {ratios[key]:>8.4f}"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""ci/bench/server.py: its statistics, its targets and its streamed request, against a stand-in."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "bench"))
+import run_e2e
+import server as bench
+
+
+def test_percentiles_and_summary() -> None:
+    assert bench.percentile([5.0, 1.0, 3.0], 0.5) == 3.0
+    assert bench.percentile([float(i) for i in range(100)], 0.99) == 98.0
+    served = bench.Served("patched", 2.0, 4, 40, [0.1, 0.2, 0.3, 0.4], [1.0, 1.0, 2.0, 3.0])
+    numbers = bench.summary(served)
+    assert numbers["requests_per_s"] == 2.0 and numbers["output_tokens_per_s"] == 20.0
+    assert numbers["ttft_p99_ms"] == pytest.approx(400.0) and numbers["latency_median_ms"] == pytest.approx(
+        1500.0
+    )
+
+
+def test_over_target_names_each_ratio_past_its_target() -> None:
+    assert bench.over_target("tp1", {"requests_per_s": 0.98, "ttft_p99_ms": 1.05}) == []
+    assert bench.over_target("tp2", {"requests_per_s": 0.97, "ttft_p99_ms": 1.06}) == [
+        "tp2: throughput ratio 0.9700 < 0.98",
+        "tp2: p99 TTFT ratio 1.0600 > 1.05",
+    ]
+
+
+class Streamer(BaseHTTPRequestHandler):
+    """Streams as sglang's /generate does (cumulative output ids, then [DONE]); a `last_finish`
+    of None ends the stream unfinished."""
+
+    last_finish: ClassVar[dict[str, Any] | None] = {"type": "length"}
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert request["stream"] is True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = request["sampling_params"]["max_new_tokens"]
+        for i in range(1, n + 1):
+            finish = type(self).last_finish if i == n else None
+            chunk = {
+                "output_ids": list(range(i)),
+                "meta_info": {"completion_tokens": i, "finish_reason": finish},
+            }
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def port() -> Iterator[int]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Streamer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(httpd.server_address[1])
+    finally:
+        httpd.shutdown()
+        Streamer.last_finish = {"type": "length"}
+
+
+def test_a_streamed_request_reports_its_first_token_and_its_tokens(port: int) -> None:
+    request = run_e2e.Request("a", [5, 6, 7])
+    ttft, latency, tokens = bench.stream(port, request, 4)
+    assert 0 < ttft <= latency and tokens == 4
+    served = bench.serve_traffic("pristine", port, [request] * 3, 4, 2)
+    assert served.failed == 0 and served.output_tokens == 12 and len(served.ttft_s) == 3
+
+
+def test_an_unfinished_stream_is_a_failed_request(port: int) -> None:
+    Streamer.last_finish = None
+    with pytest.raises(ValueError, match="unfinished"):
+        bench.stream(port, run_e2e.Request("a", [5]), 2)
+    assert bench.serve_traffic("patched", port, [run_e2e.Request("a", [5])], 2, 1).failed == 1
