@@ -10,12 +10,14 @@ line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py
 1. The series' cost, nothing missing: the same traffic (TRAFFIC_REQUESTS greedy requests, random
    prompts of PROMPT_TOKENS_MIN..MAX tokens, OUTPUT_TOKENS new tokens each, CONCURRENCY in flight,
    streamed) on the pristine and on the patched wheel, servers alternating (pristine, patched,
-   pristine, ...) `--repeats` times, with one rank and with two ranks whose KV pool is marked
-   rank-local (as a kvcached pool is: the patched ranks then agree on every admitting prefill
-   round and vote on every decode step, the agreement's real cost). Per server: requests/s,
-   output tokens/s, time to first token and end-to-end latency (median, p99); per case the median
-   over the repeats and the ratio patched/pristine. Targets: throughput ratio >= 0.98 and p99
-   TTFT ratio <= 1.05, with one rank and with two.
+   pristine, ...) `--repeats` times, for each of CASES: one rank; two ranks whose KV pool is
+   marked rank-local (as a kvcached pool is: the patched ranks then agree on every admitting
+   prefill round and vote on every decode step, the agreement's real cost); two ranks with a
+   plain pool (no agreement). Per server: requests/s, output tokens/s, time to first token and
+   end-to-end latency (median, p99), and from the hook in rank 0's scheduler the decode steps and
+   the agreement's all-reduces during the timed traffic; per case the median over the repeats
+   and the ratio patched/pristine. Targets: throughput ratio >= 0.98 and p99 TTFT ratio <= 1.05
+   in every case.
 2. Recovery from a natural miss (ci/e2e/run_e2e.py NATURAL): the patched server on the natural
    traffic next to the same traffic on a pool large enough not to miss: wall time, latency median
    and p99, and their ratios (printed, no target: the price of not crashing).
@@ -52,7 +54,7 @@ from cpu_line import unpack_wheel  # noqa: E402
 
 from sglang_carry.errors import CarryError  # noqa: E402
 
-TRAFFIC_REQUESTS = 48
+TRAFFIC_REQUESTS = 96
 PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX = 64, 256
 OUTPUT_TOKENS = 32
 CONCURRENCY = 8
@@ -73,6 +75,12 @@ REQUEST_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 900.0
 # Two CPU ranks need their OpenMP cores named (sglang's CPU engine).
 TWO_RANK_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+# name, ranks, the pool marked rank-local (the patched ranks then agree), what it is.
+CASES = (
+    ("tp1", 1, False, "one rank"),
+    ("tp2", 2, True, "two ranks, rank-local pool: the agreement's cost"),
+    ("tp2-plain", 2, False, "two ranks, plain pool: no agreement"),
+)
 
 
 @dataclass
@@ -86,6 +94,11 @@ class Served:
     ttft_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     failed: int = 0
+    # From the hook in rank 0's scheduler, during the timed traffic: decode steps, the carried
+    # agreement's all-reduces, prefill unwinds.
+    decode_steps: int = 0
+    agreement_all_reduces: int = 0
+    unwinds: int = 0
 
     @property
     def requests_per_s(self) -> float:
@@ -110,7 +123,21 @@ def summary(served: Served) -> dict[str, float]:
         "latency_median_ms": 1000 * statistics.median(served.latency_s),
         "latency_p99_ms": 1000 * percentile(served.latency_s, 0.99),
         "seconds": served.seconds,
+        "decode_steps": served.decode_steps,
+        "agreement_all_reduces": served.agreement_all_reduces,
+        "unwinds": served.unwinds,
     }
+
+
+def rank0_counts(folder: Path) -> dict[str, int]:
+    """The hook's counters of rank 0's scheduler (after a moment: it saves within 0.5 s)."""
+    time.sleep(1.0)
+    for record in run_e2e.read_counters(folder):
+        if record.get("rank", 0) == 0 and "decode_steps" in record:
+            return {
+                key: int(record.get(key, 0)) for key in ("decode_steps", "agreement_all_reduces", "unwinds")
+            }
+    return {"decode_steps": 0, "agreement_all_reduces": 0, "unwinds": 0}
 
 
 def plan_bench_traffic(seed: int = 0) -> list[run_e2e.Request]:
@@ -191,6 +218,7 @@ def serve_traffic(
 class Case:
     name: str
     tp: int
+    rank_local: bool
     flags: tuple[str, ...]
     requests: tuple[run_e2e.Request, ...]
     max_new_tokens: int
@@ -214,17 +242,30 @@ def run_server(
     path = [str(site), *map(str, pythonpath), str(run_e2e.HOOK)]
     server_env["PYTHONPATH"] = os.pathsep.join(path)
     # The hook injects nothing (limit 0); with two ranks it marks the pool rank-local.
-    server_env |= {"CARRY_E2E_INJECT": "1", "CARRY_E2E_MISS_LIMIT": "0"}
+    stamp = f"{case.name}-{tree}-{time.strftime('%H%M%S')}"
+    counters = out / "counters" / stamp
+    server_env |= {
+        "CARRY_E2E_INJECT": "1",
+        "CARRY_E2E_MISS_LIMIT": "0",
+        "CARRY_E2E_COUNTERS_DIR": str(counters),
+    }
     if case.tp > 1:
-        server_env |= {"CARRY_E2E_RANK_LOCAL": "1", **TWO_RANK_ENV}
-    log = out / "logs" / f"{case.name}-{tree}-{time.strftime('%H%M%S')}.log"
+        server_env |= TWO_RANK_ENV
+    if case.rank_local:
+        server_env["CARRY_E2E_RANK_LOCAL"] = "1"
+    log = out / "logs" / f"{stamp}.log"
     server = run_e2e.Server.start(command, server_env, log, port)
     try:
         if not server.wait_healthy(STARTUP_TIMEOUT_S):
             raise RuntimeError(f"{case.name} on {tree}: the server never became healthy (see {log})")
-        # Warm-up: the first request compiles and allocates what the timed ones reuse.
-        serve_traffic(tree, port, case.requests[:2], case.max_new_tokens, 2)
+        # Warm-up, on prompts of its own (a timed prompt must not be in the prefix cache).
+        serve_traffic(tree, port, WARM_UP, case.max_new_tokens, len(WARM_UP))
+        before = rank0_counts(counters)
         served = serve_traffic(tree, port, case.requests, case.max_new_tokens, case.concurrency)
+        after = rank0_counts(counters)
+        served.decode_steps = after["decode_steps"] - before["decode_steps"]
+        served.agreement_all_reduces = after["agreement_all_reduces"] - before["agreement_all_reduces"]
+        served.unwinds = after["unwinds"] - before["unwinds"]
     finally:
         server.stop()
     if served.failed:
@@ -242,6 +283,20 @@ def over_target(case: str, ratios: dict[str, float]) -> list[str]:
     return failures
 
 
+WARM_UP = plan_bench_traffic(seed=1)[:2]
+# What is timed (a ratio is printed), and what is counted (rank 0, during the timed traffic).
+TIMED = (
+    "requests_per_s",
+    "output_tokens_per_s",
+    "ttft_median_ms",
+    "ttft_p99_ms",
+    "latency_median_ms",
+    "latency_p99_ms",
+    "seconds",
+)
+COUNTED = ("decode_steps", "agreement_all_reduces", "unwinds")
+
+
 def median_of(runs: Sequence[Served]) -> dict[str, float]:
     summaries = [summary(run) for run in runs]
     return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
@@ -252,7 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--upstream", help="the sglang line (default: the newest with a series)")
     parser.add_argument("--repeats", type=int, default=3, help="servers per tree and case, alternating")
     parser.add_argument("--out", type=Path, default=run_e2e.ROOT / "build" / "bench-server")
-    parser.add_argument("--cases", default="tp1,tp2,natural", help="which of tp1, tp2, natural")
+    parser.add_argument(
+        "--cases", default="tp1,tp2,tp2-plain,natural", help="which of tp1, tp2, tp2-plain, natural"
+    )
     args = parser.parse_args(argv)
     out: Path = args.out.resolve()
     shutil.rmtree(out / "logs", ignore_errors=True)
@@ -276,10 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines: list[str] = []
     failures: list[str] = []
     try:
-        for tp in (1, 2):
-            if f"tp{tp}" not in chosen:
+        for name, tp, rank_local, label in CASES:
+            if name not in chosen:
                 continue
-            case = Case(f"tp{tp}", tp, POOL_FLAGS, traffic, OUTPUT_TOKENS, CONCURRENCY)
+            case = Case(name, tp, rank_local, POOL_FLAGS, traffic, OUTPUT_TOKENS, CONCURRENCY)
             runs: dict[str, list[Served]] = {"pristine": [], "patched": []}
             for repeat in range(args.repeats):
                 for tree in ("pristine", "patched"):
@@ -291,13 +348,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         flush=True,
                     )
             medians = {tree: median_of(served) for tree, served in runs.items()}
-            ratios = {key: medians["patched"][key] / medians["pristine"][key] for key in medians["patched"]}
+            ratios = {key: medians["patched"][key] / medians["pristine"][key] for key in TIMED}
             report["cases"][case.name] = {
                 "medians": medians,
                 "ratios": ratios,
                 "runs": {tree: [summary(s) for s in served] for tree, served in runs.items()},
             }
-            label = "one rank" if tp == 1 else "two ranks, rank-local pool"
             lines += [f"{case.name} ({label}): median of {args.repeats} servers per tree"]
             lines += table_lines(medians, ratios)
             failures += over_target(case.name, ratios)
@@ -312,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     case = Case(
                         f"natural-{name.replace(' ', '-')}",
                         1,
+                        False,
                         flags,
                         natural,
                         run_e2e.MAX_NEW_TOKENS,
@@ -323,9 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         )
                     )
             medians = {name: median_of(served) for name, served in recovered.items()}
-            ratios = {
-                key: medians["natural miss"][key] / medians["no miss"][key] for key in medians["no miss"]
-            }
+            ratios = {key: medians["natural miss"][key] / medians["no miss"][key] for key in TIMED}
             report["cases"]["natural"] = {"medians": medians, "ratios": ratios}
             lines += ["natural traffic on the patched wheel: a pool that misses / one that does not"]
             lines += table_lines(medians, ratios)
@@ -343,18 +398,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def table_lines(medians: dict[str, dict[str, float]], ratios: dict[str, float]) -> list[str]:
     first, second = medians
     rows = [f"  {'':<22} {first:>12} {second:>12} {'ratio':>8}"]
-    for key in (
-        "requests_per_s",
-        "output_tokens_per_s",
-        "ttft_median_ms",
-        "ttft_p99_ms",
-        "latency_median_ms",
-        "latency_p99_ms",
-        "seconds",
-    ):
+    for key in TIMED:
         rows.append(
             f"  {key:<22} {medians[first][key]:>12.2f} {medians[second][key]:>12.2f} {ratios[key]:>8.4f}"
         )
+    for key in COUNTED:
+        rows.append(f"  {key:<22} {medians[first][key]:>12.0f} {medians[second][key]:>12.0f}")
     return rows
 
 

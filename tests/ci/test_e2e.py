@@ -6,14 +6,16 @@ classes only: nothing here needs a GPU)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -100,6 +102,8 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "unwinds": 0,
         "withheld_readings": 0,
         "decode_retractions": 0,
+        "decode_steps": 0,
+        "agreement_all_reduces": 0,
         "withheld_amounts": 0,
         "unwound_rids": {},
         "died_with": None,
@@ -174,6 +178,40 @@ def test_hook_counts_unwinds_and_records_the_schedulers_own_error(tmp_path: Path
 
     pristine = type("Scheduler", (), {"event_loop_overlap": lambda self: None})
     assert hook.wrap_scheduler(pristine, injector) == ["event_loop_overlap"]  # no unwind to count
+
+
+class Agreement(NamedTuple):
+    reduce: Callable[[list[int]], None]
+    capacity: object
+
+
+def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp_path: Path) -> None:
+    reduced: list[list[int]] = []
+
+    class Scheduler:
+        rank_local = True
+
+        @functools.cached_property
+        def _prefill_agreement(self) -> Agreement | None:
+            return Agreement(reduced.append, None) if self.rank_local else None
+
+        def run_event_loop(self) -> None:
+            pass
+
+    injector = hook.Injector(limit=0, counters_dir=tmp_path)
+    assert "_prefill_agreement" in hook.wrap_scheduler(Scheduler, injector)
+    scheduler = Scheduler()
+    for vote in ([1], [2], [3]):
+        scheduler._prefill_agreement.reduce(vote)  # type: ignore[union-attr]
+    assert reduced == [[1], [2], [3]] and scheduler._prefill_agreement is scheduler._prefill_agreement
+    plain = Scheduler()
+    plain.rank_local = False
+    assert plain._prefill_agreement is None
+    # Counted every time, saved within SAVE_EVERY_S of the last count.
+    deadline = time.monotonic() + 5
+    while json.loads((tmp_path / f"{os.getpid()}.json").read_text())["agreement_all_reduces"] != 3:
+        assert time.monotonic() < deadline, "the last counts never reached the file"
+        time.sleep(0.05)
 
 
 class Allocator:

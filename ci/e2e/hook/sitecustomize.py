@@ -41,6 +41,7 @@ installed too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -69,6 +70,8 @@ DECODE_RETRACTION_METHOD = "retract_decode"
 # A decode step is eligible for a miss from this many requests on (the warm-up decodes one).
 DECODE_MISS_MIN_REQUESTS = 2
 UNWIND_METHOD = "_unwind_prefill_batch"
+# The carried agreement (a cached property whose `reduce` makes every vote's all-reduce).
+AGREEMENT_PROPERTY = "_prefill_agreement"
 # The scheduler's event loop, outermost first (run_event_loop dispatches to one event_loop_*).
 EVENT_LOOP_METHODS = ("run_event_loop", "event_loop_normal", "event_loop_overlap")
 
@@ -96,6 +99,10 @@ class Injector:
             "unwinds": 0,
             "withheld_readings": 0,
             "decode_retractions": 0,
+            # Decode steps prepared, and the all-reduces the carried agreement made (prefill rounds
+            # and decode steps alike): what the agreement costs, in collectives.
+            "decode_steps": 0,
+            "agreement_all_reduces": 0,
             # How many different amounts the withheld readings took (2 or more: it drifted).
             "withheld_amounts": 0,
         }
@@ -107,6 +114,8 @@ class Injector:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._saved_at = float("-inf")
+        self._changed_at = float("-inf")
+        self._flusher: threading.Thread | None = None
 
     def allocating(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         """Around a prefill batch's allocation: allocations inside are eligible when the batch's
@@ -143,10 +152,23 @@ class Injector:
         return miss
 
     def count(self, key: str, save_every_s: float = 0.0) -> None:
+        """Count one; saved now, or within `save_every_s` (a count on every decode step must not
+        rewrite the file each time, and the last ones must still reach it)."""
         with self._lock:
             self.counts[key] += 1
+            self._changed_at = time.monotonic()
             if time.monotonic() - self._saved_at >= save_every_s:
                 self._save()
+            elif self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_every, args=(save_every_s,), daemon=True)
+                self._flusher.start()
+
+    def _flush_every(self, interval_s: float) -> None:
+        while True:
+            time.sleep(interval_s)
+            with self._lock:
+                if self._saved_at < self._changed_at:
+                    self._save()
 
     def unwound(self, batch: Any) -> None:
         """One unwind of `batch`: counted, and for each of its requests."""
@@ -308,6 +330,7 @@ def wrap_decode_preparation(batch_class: type, injector: Injector) -> None:
     retract = batch_class.__dict__[DECODE_RETRACTION_METHOD]
 
     def prepare_for_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
+        injector.count("decode_steps", SAVE_EVERY_S)
         with injector.decoding(self):
             return prepare(self, *args, **kwargs)
 
@@ -367,6 +390,24 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
 
         setattr(scheduler_class, UNWIND_METHOD, unwind_prefill_batch)
         wrapped.append(UNWIND_METHOD)
+    agreement = scheduler_class.__dict__.get(AGREEMENT_PROPERTY)
+    if isinstance(agreement, functools.cached_property):
+
+        def counted_agreement(self: Any) -> Any:
+            made = agreement.func(self)
+            if made is None:
+                return None
+
+            def reduce(tensor: Any) -> None:
+                injector.count("agreement_all_reduces", SAVE_EVERY_S)
+                made.reduce(tensor)
+
+            return made._replace(reduce=reduce)
+
+        counted = functools.cached_property(counted_agreement)
+        counted.__set_name__(scheduler_class, AGREEMENT_PROPERTY)
+        setattr(scheduler_class, AGREEMENT_PROPERTY, counted)
+        wrapped.append(AGREEMENT_PROPERTY)
     loop_name = next(n for n in EVENT_LOOP_METHODS if n in scheduler_class.__dict__)
     loop = scheduler_class.__dict__[loop_name]
 
