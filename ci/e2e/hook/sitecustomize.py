@@ -323,14 +323,19 @@ def wrap_batch_allocation(batch_class: type, injector: Injector) -> str:
     return name
 
 
-def wrap_decode_preparation(batch_class: type, injector: Injector) -> None:
-    """Make a decode step's allocation eligible for a miss, and count the retractions the carried
-    decode agreement makes after one."""
+def wrap_decode_preparation(batch_class: type, injector: Injector, misses: bool = True) -> None:
+    """Count decode steps; with `misses`, make a decode step's allocation eligible for a miss, and
+    count the retractions the carried decode agreement makes after one. Without `misses`, a batch
+    class with no decode preparation is left as it is (nothing to count)."""
+    if not misses and DECODE_PREPARATION_METHOD not in batch_class.__dict__:
+        return
     prepare = batch_class.__dict__[DECODE_PREPARATION_METHOD]
     retract = batch_class.__dict__[DECODE_RETRACTION_METHOD]
 
     def prepare_for_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
         injector.count("decode_steps", SAVE_EVERY_S)
+        if not misses:
+            return prepare(self, *args, **kwargs)
         with injector.decoding(self):
             return prepare(self, *args, **kwargs)
 
@@ -490,9 +495,8 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
     miss_at_decode = env.get("CARRY_E2E_MISS_AT", "prefill") == "decode"
 
     def patch_batch(module: Any) -> None:
-        if miss_at_decode:
-            wrap_decode_preparation(module.ScheduleBatch, injector)
-        else:
+        wrap_decode_preparation(module.ScheduleBatch, injector, misses=miss_at_decode)
+        if not miss_at_decode:
             wrap_batch_allocation(module.ScheduleBatch, injector)
         # The allocators are imported by then (schedule_batch imports the allocator package).
         allocator = sys.modules.get(ALLOCATOR_PACKAGE)
