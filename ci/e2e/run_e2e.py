@@ -64,6 +64,7 @@ import contextlib
 import dataclasses
 import http.client
 import json
+import math
 import os
 import random
 import re
@@ -101,6 +102,8 @@ PREFIX_TOKENS = 256
 SUFFIX_TOKENS = 16
 ROUNDS = 3
 MAX_NEW_TOKENS = 8
+# A hybrid model's traffic (plan_growing_traffic): how much each wave's prompt grows.
+GROWTH_TOKENS = 2
 CONCURRENCY = 4
 VOCAB = 1024
 REQUEST_TIMEOUT_S = 60
@@ -229,16 +232,74 @@ HYBRID_QWEN3_5 = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-# Per model: the config, whether weights are written (else --load-format dummy), extra flags.
-MODELS: dict[str, tuple[dict[str, Any], bool, list[str]]] = {
-    "dense": (DENSE_LLAMA, True, []),
-    "hybrid": (HYBRID_QWEN3_5, False, ["--load-format", "dummy", "--max-mamba-cache-size", "32"]),
+# A hybrid whose Mamba state is a short convolution's (LFM2: gated short-conv layers and one
+# attention layer). Its conv state remembers the last conv_L_cache - 1 tokens of each prefix.
+HYBRID_LFM2 = {
+    "architectures": ["Lfm2ForCausalLM"],
+    "model_type": "lfm2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "layer_types": ["conv", "conv", "full_attention", "conv"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "norm_eps": 1e-5,
+    "block_auto_adjust_ff_dim": False,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_multiple_of": 256,
+    "rope_theta": 10000.0,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
 # --------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------
+def lfm2_weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF LFM2 parameter names and shapes for `config` (sglang's load_weights maps them, and
+    skips a name it does not know: lfm2.py:751)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.embedding_norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i, kind in enumerate(config["layer_types"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "operator_norm.weight": (hidden,),
+            p + "ffn_norm.weight": (hidden,),
+            p + "feed_forward.w1.weight": (inter, hidden),
+            p + "feed_forward.w3.weight": (inter, hidden),
+            p + "feed_forward.w2.weight": (hidden, inter),
+        }
+        if kind == "full_attention":
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q, hidden),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.out_proj.weight": (hidden, q),
+                p + "self_attn.q_layernorm.weight": (head_dim,),
+                p + "self_attn.k_layernorm.weight": (head_dim,),
+            }
+        else:
+            shapes |= {
+                p + "conv.in_proj.weight": (3 * hidden, hidden),
+                p + "conv.out_proj.weight": (hidden, hidden),
+                p + "conv.conv.weight": (hidden, 1, config["conv_L_cache"]),
+            }
+    return shapes
+
+
 def llama_weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """HF Llama parameter names and shapes for `config`."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
@@ -265,27 +326,54 @@ def llama_weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Per model: the config, its weights' names and shapes (None: --load-format dummy), extra flags.
+WeightShapes = Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
+MODELS: dict[str, tuple[dict[str, Any], WeightShapes | None, list[str]]] = {
+    "dense": (DENSE_LLAMA, llama_weight_shapes, []),
+    "hybrid": (HYBRID_QWEN3_5, None, ["--load-format", "dummy", "--max-mamba-cache-size", "32"]),
+    "lfm2": (HYBRID_LFM2, lfm2_weight_shapes, []),
+}
+
+
+def dense_weight(key: str, shape: tuple[int, ...], generator: Any) -> Any:
+    """Norms 1, every matrix of std 0.02 (the dense model's weights, unchanged since first written)."""
+    import torch
+
+    return (
+        torch.ones(shape) if key.endswith("norm.weight") else torch.randn(shape, generator=generator) * 0.02
+    )
+
+
+def initial_weight(key: str, shape: tuple[int, ...], generator: Any) -> Any:
+    """Norms 1; a short conv's taps of std 0.6 and every other matrix scaled 1/sqrt(fan_in), so
+    every mixer (and so a Mamba state) moves the logits."""
+    import torch
+
+    if key.endswith("norm.weight"):
+        return torch.ones(shape)
+    if key.endswith("conv.conv.weight"):
+        return torch.randn(shape, generator=generator) * 0.6
+    return torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
+
+
 def write_models(folder: Path, names: Sequence[str], seed: int = 0) -> dict[str, Path]:
-    """One directory per model: config.json, and seeded random safetensors for the dense one."""
+    """One directory per model: config.json, and seeded random safetensors where it has weights."""
     dirs = {}
     for name in names:
-        config, with_weights, _ = MODELS[name]
+        config, weight_shapes, _ = MODELS[name]
         model_dir = folder / name
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(config, indent=2))
         (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-        if with_weights:
+        if weight_shapes is not None:
             import torch
             from safetensors.torch import save_file
 
             generator = torch.Generator().manual_seed(seed)
+            initial = dense_weight if name == "dense" else initial_weight
             tensors = {
-                key: (
-                    torch.ones(shape)
-                    if key.endswith("norm.weight")
-                    else torch.randn(shape, generator=generator) * 0.02
-                ).to(torch.bfloat16)
-                for key, shape in llama_weight_shapes(config).items()
+                key: initial(key, shape, generator).to(torch.bfloat16)
+                for key, shape in weight_shapes(config).items()
             }
             save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
         dirs[name] = model_dir
@@ -421,6 +509,22 @@ def plan_traffic(seed: int = 0) -> list[list[Request]]:
     ]
 
 
+def plan_growing_traffic(seed: int = 0) -> list[list[Request]]:
+    """ROUNDS waves of GROUPS prompts; wave 0's are PREFIX_TOKENS + SUFFIX_TOKENS long, and each
+    later wave's prompt is the same group's previous one plus GROWTH_TOKENS new tokens. A
+    no_buffer Mamba tree keeps a state only where a prefill ended, so only a prompt that extends
+    an earlier one can load a Mamba state back; and a short conv remembers only its last few
+    tokens, so the growth is short enough that the loaded state decides the outputs."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(PREFIX_TOKENS + SUFFIX_TOKENS)] for _ in range(GROUPS)]
+    waves = []
+    for r in range(ROUNDS):
+        if r:
+            prompts = [prompt + [rng.randrange(3, VOCAB) for _ in range(GROWTH_TOKENS)] for prompt in prompts]
+        waves.append([Request(f"{r}.{g}", list(prompt)) for g, prompt in enumerate(prompts)])
+    return waves
+
+
 def plan_natural_traffic(seed: int = 0) -> list[list[Request]]:
     """One wave: the long prompt, then (NATURAL_SHORT_AFTER_S later, while it is chunked) the
     short ones, all at once."""
@@ -453,6 +557,13 @@ class Scenario:
     control_loads_from_host: bool
     # The first sglang line whose code has what the scenario relies on.
     first_line: str = "0.5.20"
+    # The model it serves (MODELS), and the flags of a run that recomputes every prompt (no
+    # prefix cache, no HiCache): the reference a control's outputs must equal (None: no such run).
+    model: str = "dense"
+    recompute_flags: tuple[str, ...] | None = None
+    # The model has a Mamba state: a control must load some back from host, and a patched run
+    # must land no load copy in a Mamba slot after that slot was released.
+    mamba_state: bool = False
 
     def keys(self) -> set[str]:
         return {request.key for wave in self.plan() for request in wave}
@@ -470,6 +581,43 @@ NATURAL = Scenario(
     False,
     # shortest-prefill-first and its chunk limit came in 0.5.21.
     first_line="0.5.21",
+)
+# The hybrid LFM2 under HICACHE's pool and cache, its Mamba state (the conv state) backed up to
+# host and loaded back (no_buffer: the only Mamba strategy on CPU; extra_buffer is refused there).
+# no_buffer refuses the overlap scheduler (arg_groups/mamba_hook.py:158).
+LFM2_FLAGS = (
+    *HICACHE_FLAGS,
+    "--mamba-radix-cache-strategy",
+    "no_buffer",
+    "--max-mamba-cache-size",
+    "16",
+    "--disable-overlap-schedule",
+)
+LFM2 = Scenario(
+    "lfm2",
+    LFM2_FLAGS,
+    LFM2_FLAGS,
+    plan_growing_traffic,
+    CONCURRENCY,
+    True,
+    True,
+    model="lfm2",
+    mamba_state=True,
+    # Measured on 0.5.23 only so far.
+    first_line="0.5.23",
+    recompute_flags=(
+        "--disable-radix-cache",
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--page-size",
+        "1",
+        "--max-running-requests",
+        "8",
+        "--chunked-prefill-size",
+        str(CHUNK_TOKENS),
+        "--max-mamba-cache-size",
+        "16",
+    ),
 )
 
 
@@ -546,9 +694,11 @@ def timed_out(outcome: Outcome) -> bool:
 # One run and its verdict
 # --------------------------------------------------------------------------------------------
 CONTROL, PRISTINE, PATCHED, WITHOUT_LOAD_WAIT = "control", "pristine", "patched", "without-load-wait"
+# The scenario's reference: the patched wheel recomputing every prompt (no prefix cache, no HiCache).
+RECOMPUTE = "recompute"
 INJECTING = (PRISTINE, PATCHED, WITHOUT_LOAD_WAIT)
 # The kinds whose outputs are compared with their control run's.
-COMPARING = (PATCHED, WITHOUT_LOAD_WAIT)
+COMPARING = (PATCHED, WITHOUT_LOAD_WAIT, RECOMPUTE)
 
 
 @dataclass(frozen=True)
@@ -584,6 +734,9 @@ class RunSpec:
         return f"{ranks}{scenario}{CONTROL}"
 
     def server_flags_of_scenario(self) -> tuple[str, ...]:
+        if self.kind == RECOMPUTE:
+            assert self.scenario.recompute_flags is not None, f"{self.scenario.name} has no recompute run"
+            return self.scenario.recompute_flags
         return self.scenario.control_flags if self.kind == CONTROL else self.scenario.flags
 
 
@@ -622,6 +775,11 @@ class Run:
     differing_requests: dict[str, int] = field(default_factory=dict)
     # Requests whose prefill was put back, and how often (the most on any rank).
     unwound_requests: dict[str, int] = field(default_factory=dict)
+    # A hybrid model's Mamba state, from the CPU stand-ins' copy kernels in the servers: load
+    # copies landed in device Mamba slots, and those that landed after their slot was released
+    # (the seed's hazard, counted).
+    mamba_loads: int = 0
+    mamba_late_copies: int = 0
     verdict: str = ""
     ok: bool = False
     seconds: float = 0.0
@@ -660,6 +818,8 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         amounts = int(record.get("withheld_amounts", 0))
         run.withheld_amounts[rank] = max(run.withheld_amounts.get(rank, 0), amounts)
         run.loads_started += int(record.get("loads_started", 0))
+        run.mamba_loads += int(record.get("mamba_copies_landed", 0))
+        run.mamba_late_copies += int(record.get("mamba_late_copies", 0))
         for rid, times in (record.get("unwound_rids") or {}).items():
             run.unwound_requests[rid] = max(run.unwound_requests.get(rid, 0), int(times))
         died = record.get("died_with")
@@ -730,12 +890,28 @@ def judge(
             else f"{run.failed} failed, unwinds {run.unwinds}, died with {run.died_with or 'nothing'}"
         )
     elif run.kind == CONTROL:
-        run.ok = everything and run.host_cached_tokens > 0 and run.loads_started > 0 and not run.died_with
+        mamba_loaded = run.mamba_loads > 0 or not scenario.mamba_state
+        run.ok = bool(
+            everything
+            and run.host_cached_tokens > 0
+            and run.loads_started > 0
+            and mamba_loaded
+            and not run.died_with
+        )
         run.verdict = (
-            "all requests finished, host hits seen"
+            f"all requests finished, host hits seen{', Mamba states loaded' if scenario.mamba_state else ''}"
             if run.ok
             else f"{run.failed} failed, host-cached tokens {run.host_cached_tokens},"
-            f" loads {run.loads_started}, died with {run.died_with or 'nothing'}"
+            f" loads {run.loads_started}, Mamba loads {run.mamba_loads},"
+            f" died with {run.died_with or 'nothing'}"
+        )
+    elif run.kind == RECOMPUTE:
+        run.ok = bool(everything and run.outputs_equal_control and not run.died_with)
+        run.verdict = (
+            "every output equals the control run's"
+            if run.ok
+            else f"{run.failed} failed, outputs equal control: {run.outputs_equal_control}"
+            f" ({run.outputs_differing} differ), died with {run.died_with or 'nothing'}"
         )
     elif run.kind == PRISTINE:
         if run.server_died or run.failed or run.died_with:
@@ -755,7 +931,13 @@ def judge(
             # showed nothing, so it cannot pass.
             run.ok, run.verdict = False, "no natural miss this time: pristine survived its traffic"
     elif run.kind == PATCHED:
-        run.ok = bool(everything and unwound_everywhere and run.outputs_equal_control and not run.died_with)
+        run.ok = bool(
+            everything
+            and unwound_everywhere
+            and run.outputs_equal_control
+            and not run.died_with
+            and run.mamba_late_copies == 0
+        )
         differ = run.outputs_differing
         each = f" ({differ} differ, each with its unwinds: {run.differing_requests})" if differ else ""
         run.verdict = (
@@ -764,7 +946,8 @@ def judge(
             else (
                 f"{run.failed} failed, misses {run.misses}, {run.recovery}: {run.recoveries},"
                 f" outputs equal control: {run.outputs_equal_control}"
-                f"{each}, died with {run.died_with or 'nothing'}"
+                f"{each}, Mamba copies landed after their slot's release: {run.mamba_late_copies},"
+                f" died with {run.died_with or 'nothing'}"
             )
         )
     else:
@@ -772,6 +955,11 @@ def judge(
         run.ok = bool(everything and unwound_everywhere and differing > 0 and not run.died_with)
         run.verdict = (
             f"the hazard showed: {differing} of {len(outcomes)} outputs differ from the control run's"
+            + (
+                f"; {run.mamba_late_copies} Mamba copies landed after their slot's release"
+                if scenario.mamba_state
+                else ""
+            )
             if run.ok
             else (
                 "the missing wait went unseen: outputs equal the control run's"
@@ -848,13 +1036,15 @@ def run_once(
     env["PYTHONPATH"] = os.pathsep.join(path).rstrip(os.pathsep)
     env["CARRY_E2E_COUNTERS_DIR"] = str(counters)
     # The hook runs in every run (it counts loads and unwinds and records a scheduler's death); a
-    # control run, and a run whose misses are the server's own (natural), inject nothing.
+    # control or recompute run, and a run whose misses are the server's own (natural), inject nothing.
     env["CARRY_E2E_INJECT"] = "1"
-    env["CARRY_E2E_MISS_LIMIT"] = str(MISS_LIMIT) if scenario.injects and spec.kind != CONTROL else "0"
+    env["CARRY_E2E_MISS_LIMIT"] = str(MISS_LIMIT) if scenario.injects and spec.kind in INJECTING else "0"
     if spec.miss_ranks is not None:
         env["CARRY_E2E_MISS_RANKS"] = ",".join(map(str, spec.miss_ranks))
     if spec.rank_local:
         env["CARRY_E2E_RANK_LOCAL"] = "1"
+    if scenario.mamba_state:
+        env["CARRY_E2E_MAMBA"] = "1"
     if spec.miss_at != "prefill":
         env["CARRY_E2E_MISS_AT"] = spec.miss_at
     if spec.withheld_tokens:
@@ -975,8 +1165,22 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-natural-control", CONTROL, scenario=NATURAL), PATCHED),
     (two_ranks("tp2-natural-pristine", PRISTINE, scenario=NATURAL), PRISTINE),
     (two_ranks("tp2-natural-patched", PATCHED, scenario=NATURAL), PATCHED),
+    # The hybrid LFM2 (LFM2: its conv state backed up to host and loaded back): the control's
+    # outputs equal a run that recomputes every prompt; the miss is injected as for the dense
+    # model; the series without its load wait shows the seed's hazard, counted by the copies that
+    # landed in a Mamba slot after its release.
+    (RunSpec("lfm2-control", CONTROL, scenario=LFM2), PATCHED),
+    (RunSpec("lfm2-recompute", RECOMPUTE, scenario=LFM2), PATCHED),
+    (RunSpec("lfm2-pristine", PRISTINE, scenario=LFM2), PRISTINE),
+    (RunSpec("lfm2-patched", PATCHED, scenario=LFM2), PATCHED),
+    (RunSpec("lfm2-without-load-wait", WITHOUT_LOAD_WAIT, scenario=LFM2), WITHOUT_LOAD_WAIT),
+    (two_ranks("tp2-lfm2-control", CONTROL, scenario=LFM2), PATCHED),
+    (two_ranks("tp2-lfm2-pristine", PRISTINE, miss_ranks=(1,), scenario=LFM2), PRISTINE),
+    (two_ranks("tp2-lfm2-patched", PATCHED, miss_ranks=(1,), scenario=LFM2), PATCHED),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
+CPU_MODEL_OF = {spec.name: spec.scenario.model for spec, _ in CPU_PLAN}
+CPU_MODELS = tuple(dict.fromkeys(CPU_MODEL_OF.values()))
 
 
 def runs_not_on_line(names: Sequence[str], version: str) -> dict[str, str]:
@@ -1026,7 +1230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pristine-wheel", type=Path, help="GPU: the official wheel (default: from the provenance)"
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--models", default=None, help="GPU: dense,hybrid (CPU: dense only)")
+    parser.add_argument("--models", default=None, help="GPU: dense,hybrid; CPU: dense,lfm2 (default: all)")
     parser.add_argument(
         "--runs",
         default=None,
@@ -1044,13 +1248,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cpu":
         names = [n for n in (args.runs or ",".join(CPU_RUNS)).split(",") if n]
         unknown = sorted(set(names) - set(CPU_RUNS))
-        if unknown or (args.models not in (None, "dense")):
+        chosen_models = [m for m in (args.models or ",".join(CPU_MODELS)).split(",") if m]
+        unknown_models = sorted(set(chosen_models) - set(CPU_MODELS))
+        if unknown or unknown_models:
             what = f"unknown run(s) {', '.join(unknown)}" if unknown else f"--models {args.models}"
             print(
-                f"e2e: error: {what}: on CPU the runs are {', '.join(CPU_RUNS)}, the model dense",
+                f"e2e: error: {what}: on CPU the runs are {', '.join(CPU_RUNS)},"
+                f" the models {', '.join(CPU_MODELS)}",
                 file=sys.stderr,
             )
             return 2
+        names = [name for name in names if CPU_MODEL_OF[name] in chosen_models]
         missing = runs_without_their_control(names)
         if missing:
             print(
@@ -1072,7 +1280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"e2e: error: the line cannot be prepared: {error}", file=sys.stderr)
             return 2
         env = cpu_env(env, out)
-        plans.append(("dense", CPU_FLAGS, specs, [CPU_STANDINS, line.server_deps], str(line.python)))
+        for model in dict.fromkeys(spec.scenario.model for spec in specs):
+            chosen = [spec for spec in specs if spec.scenario.model == model]
+            plans.append((model, CPU_FLAGS, chosen, [CPU_STANDINS, line.server_deps], str(line.python)))
         report |= {
             "runs_not_on_this_line": absent,
             "upstream": line.version,

@@ -642,6 +642,21 @@ def test_flags_and_configs_are_what_sglang_reads(tmp_path: Path) -> None:
     config = get_config(str(models["hybrid"]), trust_remote_code=False)
     assert type(config).__name__ == "Qwen3_5TextConfig"
     assert config.full_attention_layer_ids == [3]  # hybrid: three Gated DeltaNet layers, one attention
+    lfm2 = get_config(str(run_e2e.write_models(tmp_path, ["lfm2"])["lfm2"]), trust_remote_code=False)
+    assert type(lfm2).__name__ == "Lfm2Config" and lfm2.layer_types == [
+        "conv",
+        "conv",
+        "full_attention",
+        "conv",
+    ]
+    args = parser.parse_args(
+        run_e2e.server_command("python", tmp_path / "lfm2", 1, cpu, run_e2e.LFM2.flags)[3:]
+    )
+    assert args.mamba_radix_cache_strategy == "no_buffer" and args.enable_hierarchical_cache
+    recompute = run_e2e.LFM2.recompute_flags
+    assert recompute is not None
+    args = parser.parse_args(run_e2e.server_command("python", tmp_path / "lfm2", 1, cpu, recompute)[3:])
+    assert args.disable_radix_cache and not args.enable_hierarchical_cache
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ withheld readings (readings of `available_size()` that were reduced), and the ex
 scheduler's event loop died with, if it did (type, message, where it was raised). They go to
 CARRY_E2E_COUNTERS_DIR/<pid>.json, rewritten (atomically) on every change, so they survive a
 killed server. With CARRY_E2E_CPU=1 the CPU stand-ins (ci/e2e/cpu/carry_e2e_cpu.py) are
-installed too.
+installed too, and with CARRY_E2E_MAMBA=1 as well the hybrid model's (carry_e2e_mamba.py), whose
+Mamba load copies (landed, and landed after their slot's release) are saved with the counters.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class Injector:
         self._saved_at = float("-inf")
         self._changed_at = float("-inf")
         self._flusher: threading.Thread | None = None
+        self._watched: Callable[[], dict[str, int]] | None = None
 
     def allocating(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         """Around a prefill batch's allocation: allocations inside are eligible when the batch's
@@ -191,6 +193,26 @@ class Injector:
             self.died_with = {"type": type(error).__name__, "message": str(error), "raised_in": where}
             self._save()
 
+    def watch(self, counts: Callable[[], dict[str, int]], interval_s: float = SAVE_EVERY_S) -> None:
+        """Save `counts()` with this process's counters too, within `interval_s` of a change: they
+        change on threads the hook does not see (a copy landing on a stream's worker)."""
+        self._watched = counts
+
+        def flush_on_change() -> None:
+            saved: dict[str, int] = {}
+            while True:
+                time.sleep(interval_s)
+                with self._lock:
+                    now = counts()
+                    if now != saved:
+                        self._save()
+                        saved = now
+
+        threading.Thread(target=flush_on_change, daemon=True).start()
+
+    def _watched_counts(self) -> dict[str, int]:
+        return self._watched() if self._watched is not None else {}
+
     def _save(self) -> None:
         if self.counters_dir is None:
             return
@@ -200,6 +222,7 @@ class Injector:
         record = {
             "rank": tp_rank(),
             **self.counts,
+            **self._watched_counts(),
             "unwound_rids": self.unwound_rids,
             "died_with": self.died_with,
         }
@@ -524,6 +547,17 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
         import carry_e2e_cpu  # on PYTHONPATH only in the CPU mode's servers
 
         patches |= carry_e2e_cpu.install()
+        if env.get("CARRY_E2E_MAMBA") == "1":
+            import carry_e2e_mamba  # beside carry_e2e_cpu
+
+            carry_e2e_mamba.install_import_time_names()
+            patches |= carry_e2e_mamba.PATCHES
+            injector.watch(
+                lambda: {
+                    "mamba_copies_landed": carry_e2e_mamba.copies_landed(),
+                    "mamba_late_copies": carry_e2e_mamba.late_copies(),
+                }
+            )
     sys.meta_path.insert(0, AfterImport(patches))
     return injector
 
