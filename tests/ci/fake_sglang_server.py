@@ -28,7 +28,11 @@ recover count decode retractions instead of unwinds; and per MODE:
 - natural-pristine: no miss is injected, yet the first request's scheduler dies of the allocation
   error on every rank (upstream's own miss) and the server exits;
 - natural-patched: no miss is injected, yet the first request is put back once on every rank
-  (counted per rid too), and everything is answered.
+  (counted per rid too), and everything is answered;
+- late-copies: like patched, and (with CARRY_E2E_MAMBA=1) every Mamba load copy lands late;
+- no-mamba-loads: like control, but (with CARRY_E2E_MAMBA=1) no Mamba state is loaded.
+With CARRY_E2E_MAMBA=1 every host hit lands MAMBA_COPIES_PER_HIT Mamba load copies on every rank
+(as the hybrid stand-ins count them), except in no-mamba-loads.
 With --child-pid-file it starts a child in its own process group (a scheduler) and records its PID.
 """
 
@@ -70,7 +74,12 @@ miss_ranks = [int(r) for r in ranks.split(",")] if ranks else list(range(TP))
 withheld_tokens = int(os.environ.get("CARRY_E2E_WITHHELD_TOKENS", "0"))
 withholding = os.environ.get("CARRY_E2E_WITHHOLD_RANKS", "")
 withhold_ranks = [int(r) for r in withholding.split(",")] if withholding else list(range(TP))
-PATCHED_MODES = ("patched", "skewed", "one-rank-unwinds", "abort", "no-withhold", "no-drift")
+PATCHED_MODES = ("patched", "skewed", "one-rank-unwinds", "abort", "no-withhold", "no-drift", "late-copies")
+MAMBA = os.environ.get("CARRY_E2E_MAMBA") == "1"
+MAMBA_COPIES_PER_HIT = 3
+if MAMBA:
+    for rank_counts in counts.values():
+        rank_counts |= {"mamba_copies_landed": 0, "mamba_late_copies": 0}
 ALLOCATION_ERROR = {
     "type": "RuntimeError",
     "message": "Out of memory. Try to lower your batch size.",
@@ -137,6 +146,10 @@ class Handler(BaseHTTPRequestHandler):
                 for rank_counts in counts.values():
                     rank_counts["loads_started"] += 1
                     rank_counts["eligible_allocations"] += 1
+                    if MAMBA and MODE != "no-mamba-loads":
+                        rank_counts["mamba_copies_landed"] += MAMBA_COPIES_PER_HIT
+                        if MODE == "late-copies":
+                            rank_counts["mamba_late_copies"] += MAMBA_COPIES_PER_HIT
                 if MODE != "no-miss" and missing["injected_misses"] < limit:
                     missing["injected_misses"] += 1
                     missed = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -725,3 +726,48 @@ def test_a_line_without_the_natural_mechanism_runs_without_the_natural_runs() ->
         "tp2-natural-patched": reason,
     }
     assert run_e2e.runs_not_on_line(names, "0.5.21") == {}
+
+
+# --------------------------------------------------------------------------------------------
+# The hybrid LFM2: its Mamba evidence
+# --------------------------------------------------------------------------------------------
+LFM2_SPECS = {spec.name: spec for spec, _ in run_e2e.CPU_PLAN if spec.scenario is run_e2e.LFM2}
+
+
+def test_the_lfm2_runs_and_their_controls() -> None:
+    assert set(LFM2_SPECS) == {
+        *(f"lfm2-{kind}" for kind in ("control", "recompute", "pristine", "patched", "without-load-wait")),
+        *(f"tp2-lfm2-{kind}" for kind in ("control", "pristine", "patched")),
+    }
+    assert {spec.control_name for spec in LFM2_SPECS.values()} == {"lfm2-control", "tp2-lfm2-control"}
+    assert run_e2e.CPU_MODELS == ("dense", "lfm2") and run_e2e.LFM2.model == "lfm2"
+    # Every wave after the first extends the same group's prompt: a no_buffer tree's only hits.
+    waves = run_e2e.plan_growing_traffic()
+    for earlier, later in itertools.pairwise(waves):
+        for before, after in zip(earlier, later, strict=True):
+            assert after.input_ids[: len(before.input_ids)] == before.input_ids
+            assert len(after.input_ids) == len(before.input_ids) + run_e2e.GROWTH_TOKENS
+
+
+def test_lfm2_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference(
+    tmp_path: Path, small_traffic: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    control, outcomes = _run(tmp_path, "control", LFM2_SPECS["lfm2-control"])
+    assert control.ok and control.mamba_loads > 0, control
+    assert control.verdict == "all requests finished, host hits seen, Mamba states loaded"
+    reference = {o.key: o.output_ids for o in outcomes}
+    recompute, _ = _run(tmp_path, "control", LFM2_SPECS["lfm2-recompute"], reference)
+    assert recompute.ok and recompute.injected_misses == 0, recompute
+    patched, _ = _run(tmp_path, "patched", LFM2_SPECS["lfm2-patched"], reference)
+    assert patched.ok and patched.mamba_late_copies == 0, patched
+    without, _ = _run(tmp_path, "skewed", LFM2_SPECS["lfm2-without-load-wait"], reference)
+    assert without.ok and without.verdict.endswith("; 0 Mamba copies landed after their slot's release")
+
+    no_loads, _ = _run(tmp_path, "no-mamba-loads", LFM2_SPECS["lfm2-control"])
+    assert not no_loads.ok and "Mamba loads 0" in no_loads.verdict, no_loads
+    late, _ = _run(tmp_path, "late-copies", LFM2_SPECS["lfm2-patched"], reference)
+    assert not late.ok and "Mamba copies landed after their slot's release: 9" in late.verdict, late
+    differing, _ = _run(tmp_path, "skewed", LFM2_SPECS["lfm2-recompute"], reference)
+    assert not differing.ok and differing.verdict.startswith(
+        "0 failed, outputs equal control: False (6 differ)"
+    )
