@@ -130,14 +130,8 @@ UNWIND_LOG = re.compile(r"Prefill allocation (missed|diverged across ranks); unw
 # The pristine scheduler's own exception must be raised where sglang allocates a prefill batch: the
 # allocation helpers (a KV or row miss) or the pools (a Mamba or ping-pong slot assert).
 ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/(allocation|memory_pool)\.py:")
-# The pool, cache and scheduling flags of the injected runs: native HiCache (write-through) over a
-# small device pool, so the traffic above evicts to host and loads back.
-HICACHE_FLAGS = (
-    "--enable-hierarchical-cache",
-    "--hicache-write-policy",
-    "write_through",
-    "--hicache-ratio",
-    "8",
+# The device KV pool, its paging, the running requests and the prefill chunk of the injected runs.
+SMALL_POOL_FLAGS = (
     "--max-total-tokens",
     str(MAX_TOTAL_TOKENS),
     "--page-size",
@@ -146,6 +140,16 @@ HICACHE_FLAGS = (
     "8",
     "--chunked-prefill-size",
     str(CHUNK_TOKENS),
+)
+# The pool, cache and scheduling flags of the injected runs: native HiCache (write-through) over a
+# small device pool, so the traffic above evicts to host and loads back.
+HICACHE_FLAGS = (
+    "--enable-hierarchical-cache",
+    "--hicache-write-policy",
+    "write_through",
+    "--hicache-ratio",
+    "8",
+    *SMALL_POOL_FLAGS,
 )
 # Natural runs: upstream's own prefill allocation miss, no hook (sgl-project/sglang #30743: a
 # chunked prefill continued when the budget is spent). One long prompt is chunked; short prompts
@@ -603,21 +607,8 @@ LFM2 = Scenario(
     True,
     model="lfm2",
     mamba_state=True,
-    # Measured on 0.5.23 only so far.
-    first_line="0.5.23",
-    recompute_flags=(
-        "--disable-radix-cache",
-        "--max-total-tokens",
-        str(MAX_TOTAL_TOKENS),
-        "--page-size",
-        "1",
-        "--max-running-requests",
-        "8",
-        "--chunked-prefill-size",
-        str(CHUNK_TOKENS),
-        "--max-mamba-cache-size",
-        "16",
-    ),
+    first_line="0.5.20",
+    recompute_flags=("--disable-radix-cache", *SMALL_POOL_FLAGS, "--max-mamba-cache-size", "16"),
 )
 
 
@@ -1102,13 +1093,13 @@ def per_rank(counts: dict[str, int]) -> str:
 
 def table(runs: Sequence[Run]) -> list[str]:
     lines = [
-        f"{'model':<7} {'run':<21} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>11}"
+        f"{'model':<7} {'run':<23} {'ok':<3} {'done':>4} {'fail':>4} {'host':>5} {'miss':>11}"
         f" {'unw/retr':>11} {'diff':>4} {'s':>4}  verdict"
     ]
     for r in runs:
         differing = "-" if r.outputs_differing is None else str(r.outputs_differing)
         lines.append(
-            f"{r.model:<7} {r.name:<21} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
+            f"{r.model:<7} {r.name:<23} {'yes' if r.ok else 'NO':<3} {r.finished:>4} {r.failed:>4}"
             f" {r.host_cached_tokens:>5} {per_rank(r.misses):>11} {per_rank(r.recoveries):>11} {differing:>4}"
             f" {r.seconds:>4.0f}  {r.verdict}"
         )
