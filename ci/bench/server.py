@@ -18,9 +18,9 @@ line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py
    the agreement's all-reduces during the timed traffic; per case the median over the repeats
    and the ratio patched/pristine. Targets: throughput ratio >= 0.98 and p99 TTFT ratio <= 1.05
    in every case.
-2. Recovery from a natural miss (ci/e2e/run_e2e.py NATURAL): the patched server on the natural
-   traffic next to the same traffic on a pool large enough not to miss: wall time, latency median
-   and p99, and their ratios (printed, no target: the price of not crashing).
+2. Recovery from a natural miss (NATURAL in ci/e2e/e2e_harness/scenarios.py): the patched server
+   on the natural traffic next to the same traffic on a pool large enough not to miss: wall time,
+   latency median and p99, and their ratios (printed, no target: the price of not crashing).
 
 Prints a table last, writes report.json to --out. Exit 0 when every target holds, 1 when one does
 not, 2 when the line cannot be prepared or a server does not serve the traffic.
@@ -49,8 +49,22 @@ E2E = Path(__file__).resolve().parents[1] / "e2e"
 sys.path.insert(0, str(E2E))
 
 import cpu_line  # noqa: E402  (puts the tool's package on sys.path)
-import run_e2e  # noqa: E402
 from cpu_line import unpack_wheel  # noqa: E402
+from e2e_harness.models import VOCAB, write_models  # noqa: E402
+from e2e_harness.scenarios import NATURAL_POOL_TOKENS, NATURAL_ROOMY_POOL_TOKENS, natural_flags  # noqa: E402
+from e2e_harness.server import (  # noqa: E402
+    CPU_FLAGS,
+    CPU_STANDINS,
+    HOOK,
+    HOST,
+    ROOT,
+    Server,
+    cpu_env,
+    free_port,
+    server_command,
+)
+from e2e_harness.traffic import MAX_NEW_TOKENS, Request, plan_natural_traffic  # noqa: E402
+from e2e_harness.verdicts import read_counters  # noqa: E402
 
 from sglang_carry.errors import CarryError  # noqa: E402
 
@@ -132,7 +146,7 @@ def summary(served: Served) -> dict[str, float]:
 def rank0_counts(folder: Path) -> dict[str, int]:
     """The hook's counters of rank 0's scheduler (after a moment: it saves within 0.5 s)."""
     time.sleep(1.0)
-    for record in run_e2e.read_counters(folder):
+    for record in read_counters(folder):
         if record.get("rank", 0) == 0 and "decode_steps" in record:
             return {
                 key: int(record.get(key, 0)) for key in ("decode_steps", "agreement_all_reduces", "unwinds")
@@ -140,21 +154,18 @@ def rank0_counts(folder: Path) -> dict[str, int]:
     return {"decode_steps": 0, "agreement_all_reduces": 0, "unwinds": 0}
 
 
-def plan_bench_traffic(seed: int = 0) -> list[run_e2e.Request]:
+def plan_bench_traffic(seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     return [
-        run_e2e.Request(
+        Request(
             f"bench.{i}",
-            [
-                rng.randrange(3, run_e2e.VOCAB)
-                for _ in range(rng.randint(PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX))
-            ],
+            [rng.randrange(3, VOCAB) for _ in range(rng.randint(PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX))],
         )
         for i in range(TRAFFIC_REQUESTS)
     ]
 
 
-def stream(port: int, request: run_e2e.Request, max_new_tokens: int) -> tuple[float, float, int]:
+def stream(port: int, request: Request, max_new_tokens: int) -> tuple[float, float, int]:
     """Send one streamed greedy request; (time to first token, end-to-end latency, output tokens).
     Raises OSError / ValueError when the server does not serve it."""
     time.sleep(request.send_after_s)
@@ -165,7 +176,7 @@ def stream(port: int, request: run_e2e.Request, max_new_tokens: int) -> tuple[fl
             "stream": True,
         }
     )
-    connection = http.client.HTTPConnection(run_e2e.HOST, port, timeout=REQUEST_TIMEOUT_S)
+    connection = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_S)
     start = time.perf_counter()
     first: float | None = None
     tokens = 0
@@ -194,7 +205,7 @@ def stream(port: int, request: run_e2e.Request, max_new_tokens: int) -> tuple[fl
 
 
 def serve_traffic(
-    tree: str, port: int, requests: Sequence[run_e2e.Request], max_new_tokens: int, concurrency: int
+    tree: str, port: int, requests: Sequence[Request], max_new_tokens: int, concurrency: int
 ) -> Served:
     """Every request, `concurrency` in flight; the wall time from the first send to the last answer."""
     served = Served(tree, 0.0, len(requests), 0)
@@ -220,7 +231,7 @@ class Case:
     tp: int
     rank_local: bool
     flags: tuple[str, ...]
-    requests: tuple[run_e2e.Request, ...]
+    requests: tuple[Request, ...]
     max_new_tokens: int
     concurrency: int
 
@@ -235,11 +246,11 @@ def run_server(
     out: Path,
     env: dict[str, str],
 ) -> Served:
-    port = run_e2e.free_port()
-    extra = [*run_e2e.CPU_FLAGS, *(["--tp-size", str(case.tp)] if case.tp > 1 else [])]
-    command = run_e2e.server_command(str(python), model, port, extra, case.flags)
+    port = free_port()
+    extra = [*CPU_FLAGS, *(["--tp-size", str(case.tp)] if case.tp > 1 else [])]
+    command = server_command(str(python), model, port, extra, case.flags)
     server_env = dict(env)
-    path = [str(site), *map(str, pythonpath), str(run_e2e.HOOK)]
+    path = [str(site), *map(str, pythonpath), str(HOOK)]
     server_env["PYTHONPATH"] = os.pathsep.join(path)
     # The hook injects nothing (limit 0); with two ranks it marks the pool rank-local.
     stamp = f"{case.name}-{tree}-{time.strftime('%H%M%S')}"
@@ -254,7 +265,7 @@ def run_server(
     if case.rank_local:
         server_env["CARRY_E2E_RANK_LOCAL"] = "1"
     log = out / "logs" / f"{stamp}.log"
-    server = run_e2e.Server.start(command, server_env, log, port)
+    server = Server.start(command, server_env, log, port)
     try:
         if not server.wait_healthy(STARTUP_TIMEOUT_S):
             raise RuntimeError(f"{case.name} on {tree}: the server never became healthy (see {log})")
@@ -306,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/bench/server.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", help="the sglang line (default: the newest with a series)")
     parser.add_argument("--repeats", type=int, default=3, help="servers per tree and case, alternating")
-    parser.add_argument("--out", type=Path, default=run_e2e.ROOT / "build" / "bench-server")
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench-server")
     parser.add_argument(
         "--cases", default="tp1,tp2,tp2-plain,natural", help="which of tp1, tp2, tp2-plain, natural"
     )
@@ -323,11 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pristine": unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
         "patched": unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
     }
-    model = run_e2e.write_models(out / "models", ["dense"])["dense"]
-    env = run_e2e.cpu_env({k: v for k, v in os.environ.items() if not k.startswith("CARRY_E2E_")}, out)
-    pythonpath = [run_e2e.CPU_STANDINS, line.server_deps]
+    model = write_models(out / "models", ["dense"])["dense"]
+    env = cpu_env({k: v for k, v in os.environ.items() if not k.startswith("CARRY_E2E_")}, out)
+    pythonpath = [CPU_STANDINS, line.server_deps]
     traffic = tuple(plan_bench_traffic())
-    natural = tuple(run_e2e.plan_natural_traffic()[0])
+    natural = tuple(plan_natural_traffic()[0])
     chosen = [c for c in args.cases.split(",") if c]
     report: dict[str, Any] = {"upstream": line.version, "repeats": args.repeats, "cases": {}}
     lines: list[str] = []
@@ -359,8 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             failures += over_target(case.name, ratios)
         if "natural" in chosen:
             pool_flags = {
-                "no miss": run_e2e.natural_flags(run_e2e.NATURAL_ROOMY_POOL_TOKENS),
-                "natural miss": run_e2e.natural_flags(run_e2e.NATURAL_POOL_TOKENS),
+                "no miss": natural_flags(NATURAL_ROOMY_POOL_TOKENS),
+                "natural miss": natural_flags(NATURAL_POOL_TOKENS),
             }
             recovered: dict[str, list[Served]] = {name: [] for name in pool_flags}
             for _ in range(args.repeats):
@@ -371,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         False,
                         flags,
                         natural,
-                        run_e2e.MAX_NEW_TOKENS,
+                        MAX_NEW_TOKENS,
                         len(natural),
                     )
                     recovered[name].append(

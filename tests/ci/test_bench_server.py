@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "bench"))
-import run_e2e
 import server as bench
+from e2e_harness.traffic import Request
 
 
 def test_percentiles_and_summary() -> None:
@@ -76,7 +76,7 @@ def port() -> Iterator[int]:
 
 
 def test_a_streamed_request_reports_its_first_token_and_its_tokens(port: int) -> None:
-    request = run_e2e.Request("a", [5, 6, 7])
+    request = Request("a", [5, 6, 7])
     ttft, latency, tokens = bench.stream(port, request, 4)
     assert 0 < ttft <= latency and tokens == 4
     served = bench.serve_traffic("pristine", port, [request] * 3, 4, 2)
@@ -86,5 +86,5 @@ def test_a_streamed_request_reports_its_first_token_and_its_tokens(port: int) ->
 def test_an_unfinished_stream_is_a_failed_request(port: int) -> None:
     Streamer.last_finish = None
     with pytest.raises(ValueError, match="unfinished"):
-        bench.stream(port, run_e2e.Request("a", [5]), 2)
-    assert bench.serve_traffic("patched", port, [run_e2e.Request("a", [5])], 2, 1).failed == 1
+        bench.stream(port, Request("a", [5]), 2)
+    assert bench.serve_traffic("patched", port, [Request("a", [5])], 2, 1).failed == 1

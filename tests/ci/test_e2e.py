@@ -25,6 +25,20 @@ sys.path.insert(0, str(ROOT / "ci" / "e2e"))
 sys.path.insert(0, str(ROOT / "ci" / "e2e" / "hook"))
 import run_e2e  # noqa: E402
 import sitecustomize as hook  # noqa: E402
+from e2e_harness import traffic  # noqa: E402
+from e2e_harness.models import DENSE_LLAMA, MODELS, llama_weight_shapes, write_models  # noqa: E402
+from e2e_harness.plan import (  # noqa: E402
+    CPU_MODELS,
+    CPU_PLAN,
+    CPU_RUNS,
+    RunSpec,
+    runs_not_on_line,
+    runs_without_their_control,
+)
+from e2e_harness.runner import run_once  # noqa: E402
+from e2e_harness.scenarios import LFM2, MAX_TOTAL_TOKENS, NATURAL  # noqa: E402
+from e2e_harness.server import CPU_FLAGS, HOOK, Server, free_port, server_command  # noqa: E402
+from e2e_harness.verdicts import Run, judge  # noqa: E402
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 
@@ -275,7 +289,7 @@ def test_a_drifting_withholder_changes_the_reading_at_every_read(tmp_path: Path)
 def test_a_drift_run_fails_when_the_reading_did_not_drift(
     tmp_path: Path, control_outputs: dict[str, list[int]]
 ) -> None:
-    drift = next(spec for spec, _ in run_e2e.CPU_PLAN if spec.name == "tp2-drift")
+    drift = next(spec for spec, _ in CPU_PLAN if spec.name == "tp2-drift")
     drifted, _ = _run(tmp_path, "patched", drift, control_outputs)
     assert drifted.ok and drifted.withheld_amounts == {"0": 4, "1": 0}, drifted
     steady, _ = _run(tmp_path, "no-drift", drift, control_outputs)
@@ -283,7 +297,7 @@ def test_a_drift_run_fails_when_the_reading_did_not_drift(
 
 
 def test_the_drift_and_delayer_runs_compare_with_the_tp2_control() -> None:
-    plan = {spec.name: spec for spec, _ in run_e2e.CPU_PLAN}
+    plan = {spec.name: spec for spec, _ in CPU_PLAN}
     drift, delayer = plan["tp2-drift"], plan["tp2-delayer"]
     assert drift.withheld_drift and drift.withheld_tokens > 0 and drift.withhold_ranks == (0,)
     assert "--enable-prefill-delayer" in delayer.server_flags and delayer.withheld_tokens > 0
@@ -396,8 +410,8 @@ def test_hook_is_off_without_the_variable() -> None:
 # --------------------------------------------------------------------------------------------
 @pytest.fixture
 def small_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run_e2e, "GROUPS", 3)
-    monkeypatch.setattr(run_e2e, "ROUNDS", 2)
+    monkeypatch.setattr(traffic, "GROUPS", 3)
+    monkeypatch.setattr(traffic, "ROUNDS", 2)
 
 
 def _run(
@@ -405,23 +419,23 @@ def _run(
     mode: str,
     spec: Any,
     control: dict[str, list[int]] | None = None,
-    request_timeout_s: float = run_e2e.REQUEST_TIMEOUT_S,
+    request_timeout_s: float = traffic.REQUEST_TIMEOUT_S,
 ) -> Any:
-    port = run_e2e.free_port()
+    port = free_port()
     command = [sys.executable, str(FAKE_SERVER), str(port), mode, "--tp", str(spec.tp)]
-    return run_e2e.run_once(
+    return run_once(
         "dense", spec, command, tmp_path, dict(os.environ), [], control, port, 30, 60, request_timeout_s
     )
 
 
-CONTROL = run_e2e.RunSpec("control", "control")
-PRISTINE = run_e2e.RunSpec("pristine", "pristine")
-PATCHED = run_e2e.RunSpec("patched", "patched")
-WITHOUT = run_e2e.RunSpec("without-load-wait", "without-load-wait")
-TP2_PRISTINE = run_e2e.RunSpec("tp2-pristine", "pristine", tp=2, miss_ranks=(1,), rank_local=True)
-TP2_PATCHED = run_e2e.RunSpec("tp2-patched", "patched", tp=2, miss_ranks=(1,), rank_local=True)
-TP2_UNEVEN = next(spec for spec, _ in run_e2e.CPU_PLAN if spec.name == "tp2-uneven")
-TP2_DECODE = next(spec for spec, _ in run_e2e.CPU_PLAN if spec.name == "tp2-decode-patched")
+CONTROL = RunSpec("control", "control")
+PRISTINE = RunSpec("pristine", "pristine")
+PATCHED = RunSpec("patched", "patched")
+WITHOUT = RunSpec("without-load-wait", "without-load-wait")
+TP2_PRISTINE = RunSpec("tp2-pristine", "pristine", tp=2, miss_ranks=(1,), rank_local=True)
+TP2_PATCHED = RunSpec("tp2-patched", "patched", tp=2, miss_ranks=(1,), rank_local=True)
+TP2_UNEVEN = next(spec for spec, _ in CPU_PLAN if spec.name == "tp2-uneven")
+TP2_DECODE = next(spec for spec, _ in CPU_PLAN if spec.name == "tp2-decode-patched")
 
 
 @pytest.fixture
@@ -464,7 +478,7 @@ def test_uneven_ranks_withhold_on_rank_0_miss_on_rank_1_and_match_the_control(
 ) -> None:
     assert (TP2_UNEVEN.kind, TP2_UNEVEN.tp, TP2_UNEVEN.rank_local) == ("patched", 2, True)
     assert TP2_UNEVEN.withhold_ranks == (0,) and TP2_UNEVEN.miss_ranks == (1,)
-    assert 0 < TP2_UNEVEN.withheld_tokens < run_e2e.MAX_TOTAL_TOKENS
+    assert 0 < TP2_UNEVEN.withheld_tokens < MAX_TOTAL_TOKENS
     uneven, _ = _run(tmp_path, "patched", TP2_UNEVEN, control_outputs)
     assert uneven.ok, uneven
     assert uneven.withheld_readings == {"0": 6, "1": 0} and uneven.misses == {"0": 0, "1": 3}
@@ -504,17 +518,17 @@ def test_uneven_ranks_fail_when_outputs_differ_a_request_fails_or_it_hangs(
 def test_a_hung_server_gets_no_more_waves(
     tmp_path: Path, small_traffic: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(run_e2e, "ROUNDS", 3)
+    monkeypatch.setattr(traffic, "ROUNDS", 3)
     started = time.monotonic()
     run, outcomes = _run(tmp_path, "hang", PATCHED, None, request_timeout_s=2)
     assert run.hung and run.finished == 3 and run.failed == 6 and time.monotonic() - started < 30
-    assert all(map(run_e2e.timed_out, outcomes[3:6]))  # the second wave: each request missed
+    assert all(map(traffic.timed_out, outcomes[3:6]))  # the second wave: each request missed
     assert [o.error for o in outcomes[6:]] == ["not sent: an earlier request hung"] * 3
 
 
 def test_tp2_uneven_is_compared_with_the_tp2_control() -> None:
-    assert "tp2-uneven" in run_e2e.CPU_RUNS
-    assert run_e2e.runs_without_their_control(["tp2-uneven"]) == ["tp2-uneven needs tp2-control"]
+    assert "tp2-uneven" in CPU_RUNS
+    assert runs_without_their_control(["tp2-uneven"]) == ["tp2-uneven needs tp2-control"]
 
 
 # Each expectation, broken once: the verdict must fail (or, for a survivor, say upstream fixed it).
@@ -562,7 +576,7 @@ def test_runs_that_compare_outputs_need_their_control(
 def test_control_without_host_hits_fails(
     tmp_path: Path, small_traffic: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(run_e2e, "ROUNDS", 1)  # one wave: nothing is ever loaded back
+    monkeypatch.setattr(traffic, "ROUNDS", 1)  # one wave: nothing is ever loaded back
     control, _ = _run(tmp_path, "control", CONTROL)
     assert not control.ok and "host-cached tokens 0" in control.verdict
 
@@ -574,17 +588,17 @@ def test_pristine_that_survives_is_reported_as_fixed_upstream(tmp_path: Path, sm
 
 
 def test_server_that_never_gets_healthy(tmp_path: Path) -> None:
-    port = run_e2e.free_port()
+    port = free_port()
     command = [sys.executable, "-c", "print('Out of memory at start-up'); raise SystemExit(3)"]
-    run, _ = run_e2e.run_once("dense", PATCHED, command, tmp_path, dict(os.environ), [], {}, port, 10)
-    assert not run.started and not run.ok and run.failed == run_e2e.GROUPS * run_e2e.ROUNDS
+    run, _ = run_once("dense", PATCHED, command, tmp_path, dict(os.environ), [], {}, port, 10)
+    assert not run.started and not run.ok and run.failed == traffic.GROUPS * traffic.ROUNDS
 
 
 def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
-    port = run_e2e.free_port()
+    port = free_port()
     pid_file = tmp_path / "child.pid"
     command = [sys.executable, str(FAKE_SERVER), str(port), "control", "--child-pid-file", str(pid_file)]
-    server = run_e2e.Server.start(command, dict(os.environ), tmp_path / "s.log", port)
+    server = Server.start(command, dict(os.environ), tmp_path / "s.log", port)
     assert server.wait_healthy(30, poll_s=0.1)
     child = int(pid_file.read_text())
     server.stop(grace_s=5)
@@ -602,13 +616,13 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
 def test_hook_reaches_the_server_through_pythonpath(tmp_path: Path) -> None:
     """run_once puts the run's tree first and the hook last on the server's PYTHONPATH, so
     sitecustomize loads there."""
-    port = run_e2e.free_port()
+    port = free_port()
     probe = "import sitecustomize as s, sys; print('hook', s.INJECTOR is not None, s.__file__, sys.path[1])"
     command = [sys.executable, "-c", probe]
-    spec = run_e2e.RunSpec("patched", "patched", site=tmp_path / "tree")
-    run_e2e.run_once("dense", spec, command, tmp_path, dict(os.environ), [], {}, port, 3)
+    spec = RunSpec("patched", "patched", site=tmp_path / "tree")
+    run_once("dense", spec, command, tmp_path, dict(os.environ), [], {}, port, 3)
     logged = (tmp_path / "dense-patched.log").read_text()
-    assert f"hook True {run_e2e.HOOK / 'sitecustomize.py'} {tmp_path / 'tree'}" in logged
+    assert f"hook True {HOOK / 'sitecustomize.py'} {tmp_path / 'tree'}" in logged
 
 
 # --------------------------------------------------------------------------------------------
@@ -617,11 +631,11 @@ def test_hook_reaches_the_server_through_pythonpath(tmp_path: Path) -> None:
 def test_dense_model_weights_are_seeded_and_complete(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    first = run_e2e.write_models(tmp_path / "a", ["dense"])["dense"]
-    second = run_e2e.write_models(tmp_path / "b", ["dense"])["dense"]
+    first = write_models(tmp_path / "a", ["dense"])["dense"]
+    second = write_models(tmp_path / "b", ["dense"])["dense"]
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
     tensors = load_file(str(first / "model.safetensors"))
-    shapes = run_e2e.llama_weight_shapes(run_e2e.DENSE_LLAMA)
+    shapes = llama_weight_shapes(DENSE_LLAMA)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
 
 
@@ -632,43 +646,41 @@ def test_flags_and_configs_are_what_sglang_reads(tmp_path: Path) -> None:
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    models = run_e2e.write_models(tmp_path, ["hybrid"])
-    for name, (_, _, extra) in run_e2e.MODELS.items():
-        args = parser.parse_args(run_e2e.server_command("python", tmp_path / name, 1, extra)[3:])
+    models = write_models(tmp_path, ["hybrid"])
+    for name, (_, _, extra) in MODELS.items():
+        args = parser.parse_args(server_command("python", tmp_path / name, 1, extra)[3:])
         assert args.enable_hierarchical_cache and args.hicache_write_policy == "write_through"
         assert args.skip_tokenizer_init and args.max_total_tokens == 1024
-    cpu = [*run_e2e.CPU_FLAGS, "--tp-size", "2"]
-    args = parser.parse_args(run_e2e.server_command("python", tmp_path / "dense", 1, cpu)[3:])
+    cpu = [*CPU_FLAGS, "--tp-size", "2"]
+    args = parser.parse_args(server_command("python", tmp_path / "dense", 1, cpu)[3:])
     assert (args.device, args.attention_backend, args.tp_size) == ("cpu", "torch_native", 2)
     config = get_config(str(models["hybrid"]), trust_remote_code=False)
     assert type(config).__name__ == "Qwen3_5TextConfig"
     assert config.full_attention_layer_ids == [3]  # hybrid: three Gated DeltaNet layers, one attention
-    lfm2 = get_config(str(run_e2e.write_models(tmp_path, ["lfm2"])["lfm2"]), trust_remote_code=False)
+    lfm2 = get_config(str(write_models(tmp_path, ["lfm2"])["lfm2"]), trust_remote_code=False)
     assert type(lfm2).__name__ == "Lfm2Config" and lfm2.layer_types == [
         "conv",
         "conv",
         "full_attention",
         "conv",
     ]
-    args = parser.parse_args(
-        run_e2e.server_command("python", tmp_path / "lfm2", 1, cpu, run_e2e.LFM2.flags)[3:]
-    )
+    args = parser.parse_args(server_command("python", tmp_path / "lfm2", 1, cpu, LFM2.flags)[3:])
     assert args.mamba_radix_cache_strategy == "no_buffer" and args.enable_hierarchical_cache
-    recompute = run_e2e.LFM2.recompute_flags
+    recompute = LFM2.recompute_flags
     assert recompute is not None
-    args = parser.parse_args(run_e2e.server_command("python", tmp_path / "lfm2", 1, cpu, recompute)[3:])
+    args = parser.parse_args(server_command("python", tmp_path / "lfm2", 1, cpu, recompute)[3:])
     assert args.disable_radix_cache and not args.enable_hierarchical_cache
 
 
 # --------------------------------------------------------------------------------------------
 # Natural runs: upstream's own miss, no hook
 # --------------------------------------------------------------------------------------------
-NATURAL_SPECS = {spec.name: spec for spec, _ in run_e2e.CPU_PLAN if spec.scenario is run_e2e.NATURAL}
+NATURAL_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is NATURAL}
 
 
 @pytest.fixture
 def small_natural_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run_e2e, "NATURAL_SHORT_REQUESTS", 3)
+    monkeypatch.setattr(traffic, "NATURAL_SHORT_REQUESTS", 3)
 
 
 def test_natural_runs_are_judged_on_the_servers_own_miss(tmp_path: Path, small_natural_traffic: None) -> None:
@@ -709,11 +721,11 @@ def test_natural_verdicts_fail_without_a_miss_or_with_one_in_the_control(
 def test_a_run_names_each_request_whose_output_differs_with_its_unwinds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(run_e2e, "NATURAL_SHORT_REQUESTS", 1)
-    run = run_e2e.Run("dense", "natural-patched", "patched", scenario="natural", started=True)
+    monkeypatch.setattr(traffic, "NATURAL_SHORT_REQUESTS", 1)
+    run = Run("dense", "natural-patched", "patched", scenario="natural", started=True)
     run.unwinds, run.unwound_requests = {"0": 2}, {"long": 2}
-    outcomes = [run_e2e.Outcome("long", True, [1, 2]), run_e2e.Outcome("short.0", True, [3])]
-    run_e2e.judge(run, outcomes, {"long": [1, 9], "short.0": [3]}, run_e2e.NATURAL)
+    outcomes = [traffic.Outcome("long", True, [1, 2]), traffic.Outcome("short.0", True, [3])]
+    judge(run, outcomes, {"long": [1, 9], "short.0": [3]}, NATURAL)
     assert not run.ok and run.outputs_differing == 1 and run.differing_requests == {"long": 2}
     assert "(1 differ, each with its unwinds: {'long': 2})" in run.verdict
 
@@ -721,17 +733,17 @@ def test_a_run_names_each_request_whose_output_differs_with_its_unwinds(
 def test_a_line_without_the_natural_mechanism_runs_without_the_natural_runs() -> None:
     names = ["control", "natural-control", "tp2-natural-patched"]
     reason = "needs sglang 0.5.21 or newer (natural)"
-    assert run_e2e.runs_not_on_line(names, "0.5.20") == {
+    assert runs_not_on_line(names, "0.5.20") == {
         "natural-control": reason,
         "tp2-natural-patched": reason,
     }
-    assert run_e2e.runs_not_on_line(names, "0.5.21") == {}
+    assert runs_not_on_line(names, "0.5.21") == {}
 
 
 # --------------------------------------------------------------------------------------------
 # The hybrid LFM2: its Mamba evidence
 # --------------------------------------------------------------------------------------------
-LFM2_SPECS = {spec.name: spec for spec, _ in run_e2e.CPU_PLAN if spec.scenario is run_e2e.LFM2}
+LFM2_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is LFM2}
 
 
 def test_the_lfm2_runs_and_their_controls() -> None:
@@ -740,13 +752,13 @@ def test_the_lfm2_runs_and_their_controls() -> None:
         *(f"tp2-lfm2-{kind}" for kind in ("control", "pristine", "patched")),
     }
     assert {spec.control_name for spec in LFM2_SPECS.values()} == {"lfm2-control", "tp2-lfm2-control"}
-    assert run_e2e.CPU_MODELS == ("dense", "lfm2") and run_e2e.LFM2.model == "lfm2"
+    assert CPU_MODELS == ("dense", "lfm2") and LFM2.model == "lfm2"
     # Every wave after the first extends the same group's prompt: a no_buffer tree's only hits.
-    waves = run_e2e.plan_growing_traffic()
+    waves = traffic.plan_growing_traffic()
     for earlier, later in itertools.pairwise(waves):
         for before, after in zip(earlier, later, strict=True):
             assert after.input_ids[: len(before.input_ids)] == before.input_ids
-            assert len(after.input_ids) == len(before.input_ids) + run_e2e.GROWTH_TOKENS
+            assert len(after.input_ids) == len(before.input_ids) + traffic.GROWTH_TOKENS
 
 
 def test_lfm2_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference(

@@ -1,0 +1,286 @@
+"""The run plan: which servers run, in which order, and what each serves. CPU_PLAN is the CPU
+line's table, one row per run (its RunSpec and the tree it serves); a run's kind (verdicts.py)
+says what it must show and its scenario (scenarios.py) what it is given and sent. On a GPU each
+model of --models runs control, pristine and patched. plan_cpu and plan_gpu turn the command
+line into the servers to start, model by model (ModelPlan), or a PlanError (exit 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cpu_line  # in ci/e2e (it puts the tool's package on sys.path)
+from cpu_line import unpack_wheel
+from packaging.version import Version
+
+from sglang_carry.errors import CarryError
+
+from .models import MODELS
+from .scenarios import HICACHE, LFM2, MAX_TOTAL_TOKENS, NATURAL, Scenario
+from .server import CPU_FLAGS, CPU_STANDINS, ROOT, cpu_env
+from .verdicts import COMPARING, CONTROL, PATCHED, PRISTINE, RECOMPUTE, WITHOUT_LOAD_WAIT
+
+# tp2-uneven: what rank 0's allocator withholds (reports fewer free tokens than it has), a quarter
+# of the pool. A request holds PREFIX_TOKENS + SUFFIX_TOKENS + MAX_NEW_TOKENS = 280 tokens and
+# CONCURRENCY (4) arrive together; 4 x 280 exceed the pool, so a full pool admits 3 at most
+# (840 <= 1024) where rank 0 sees 768 free and admits 2 (560; 840 > 768): admission differs from
+# the first wave on, and whenever 2 run rank 0 sees 208 free (less than one request) where rank 1
+# sees 464. 768 still holds one request, so one rank alone could always make progress.
+WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 4
+# tp2-drift and tp2-delayer: an eighth of the pool, drifting between none and all of it. The
+# agreement takes the least reading, so a quarter would leave the ledger at 768 almost always,
+# where upstream's decode retraction sometimes gains nothing (write-through backups still lock the
+# retracted requests' nodes) and aborts its last request with a 500 (upstream's mechanism, not a
+# rank disagreement); an eighth keeps these runs about the readings' drift, not that.
+DRIFT_WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 8
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One server run: what it serves (`site` first on PYTHONPATH, else the interpreter's own
+    sglang) and how it is broken (the kind)."""
+
+    name: str  # e.g. "patched", "tp2-control"
+    kind: str  # control | pristine | patched | without-load-wait | recompute (verdicts.py)
+    site: Path | None = None
+    tp: int = 1
+    # Where misses are injected (None: every rank) and whether the pool is marked rank-local.
+    miss_ranks: tuple[int, ...] | None = None
+    rank_local: bool = False
+    # Environment this run's server needs beyond the others'.
+    extra_env: tuple[tuple[str, str], ...] = ()
+    # Ranks of different free space: the allocator reports this many tokens fewer than it has, on
+    # withhold_ranks (None: every rank), while the scheduler is busy (hook/sitecustomize.py).
+    withheld_tokens: int = 0
+    withhold_ranks: tuple[int, ...] | None = None
+    # The withheld amount changes at every reading (as kvcached's physical reading does).
+    withheld_drift: bool = False
+    # Server flags this run adds (the prefill delayer).
+    server_flags: tuple[str, ...] = ()
+    # Where the misses are injected: a prefill batch's allocation, or a decode step's.
+    miss_at: str = "prefill"
+    scenario: Scenario = HICACHE
+
+    @property
+    def control_name(self) -> str:
+        ranks = "" if self.tp == 1 else f"tp{self.tp}-"
+        scenario = "" if self.scenario is HICACHE else f"{self.scenario.name}-"
+        return f"{ranks}{scenario}{CONTROL}"
+
+    def server_flags_of_scenario(self) -> tuple[str, ...]:
+        if self.kind == RECOMPUTE:
+            assert self.scenario.recompute_flags is not None, f"{self.scenario.name} has no recompute run"
+            return self.scenario.recompute_flags
+        return self.scenario.control_flags if self.kind == CONTROL else self.scenario.flags
+
+
+def two_ranks(name: str, kind: str, **more: Any) -> RunSpec:
+    """A --tp-size 2 run on CPU: the pool rank-local on both ranks (as a kvcached pool is), and
+    each rank's OpenMP core named, which sglang's CPU engine requires with more than one rank."""
+    omp = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"),)
+    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=omp, **more)
+
+
+def uneven_ranks(name: str, withheld_tokens: int, **more: Any) -> RunSpec:
+    """A patched two-rank run whose ranks' free space differs: rank 0 reports `withheld_tokens`
+    fewer free tokens than it has (a co-tenant of an elastic pool), and rank 1 misses."""
+    return two_ranks(
+        name, PATCHED, miss_ranks=(1,), withheld_tokens=withheld_tokens, withhold_ranks=(0,), **more
+    )
+
+
+# The CPU runs, in the order they run (each control before the runs compared with it), each with
+# what it serves: "pristine" and "patched" (the wheels), or the tree without the load wait.
+CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
+    (RunSpec(CONTROL, CONTROL), PATCHED),
+    (RunSpec(PRISTINE, PRISTINE), PRISTINE),
+    (RunSpec(PATCHED, PATCHED), PATCHED),
+    (RunSpec(WITHOUT_LOAD_WAIT, WITHOUT_LOAD_WAIT), WITHOUT_LOAD_WAIT),
+    (two_ranks("tp2-control", CONTROL), PATCHED),
+    (two_ranks("tp2-pristine", PRISTINE, miss_ranks=(1,)), PRISTINE),
+    (two_ranks("tp2-patched", PATCHED, miss_ranks=(1,)), PATCHED),
+    # As tp2-patched, and rank 0 reports WITHHELD_TOKENS fewer free tokens than it has (a
+    # co-tenant of an elastic pool): the ranks' free space differs, so they can admit and evict
+    # differently. Kind patched: every request finishes, outputs equal tp2-control's.
+    (uneven_ranks("tp2-uneven", WITHHELD_TOKENS), PATCHED),
+    # As tp2-uneven, with rank 0's reading changing at every read (none, a third, two thirds, all
+    # of DRIFT_WITHHELD_TOKENS, in turn), as kvcached's TTL-cached physical reading makes it drift: the
+    # ranks agree on a ledger, so they still admit, evict and retract alike.
+    (uneven_ranks("tp2-drift", DRIFT_WITHHELD_TOKENS, withheld_drift=True), PATCHED),
+    # As tp2-drift's withholding (steady), with the prefill delayer, which negotiates over the TP
+    # group inside admission from the pools' usage.
+    (uneven_ranks("tp2-delayer", DRIFT_WITHHELD_TOKENS, server_flags=("--enable-prefill-delayer",)), PATCHED),
+    # The miss in a decode step's allocation on rank 1 only (a co-tenant took the physical memory
+    # the agreed ledger counts): pristine's rank 1 dies while rank 0 waits in the forward; the
+    # series gives the step back and retracts the same request on both ranks.
+    (two_ranks("tp2-decode-pristine", PRISTINE, miss_ranks=(1,), miss_at="decode"), PRISTINE),
+    (two_ranks("tp2-decode-patched", PATCHED, miss_ranks=(1,), miss_at="decode"), PATCHED),
+    # Upstream's own prefill allocation miss (NATURAL: no hook, the traffic and flags bring it
+    # about): pristine dies of it; the series puts the batch back and serves everything, its
+    # outputs equal to the same traffic's on a pool that never misses (natural-control).
+    (RunSpec("natural-control", CONTROL, scenario=NATURAL), PATCHED),
+    (RunSpec("natural-pristine", PRISTINE, scenario=NATURAL), PRISTINE),
+    (RunSpec("natural-patched", PATCHED, scenario=NATURAL), PATCHED),
+    (two_ranks("tp2-natural-control", CONTROL, scenario=NATURAL), PATCHED),
+    (two_ranks("tp2-natural-pristine", PRISTINE, scenario=NATURAL), PRISTINE),
+    (two_ranks("tp2-natural-patched", PATCHED, scenario=NATURAL), PATCHED),
+    # The hybrid LFM2 (LFM2: its conv state backed up to host and loaded back): the control's
+    # outputs equal a run that recomputes every prompt; the miss is injected as for the dense
+    # model; the series without its load wait shows the seed's hazard, counted by the copies that
+    # landed in a Mamba slot after its release.
+    (RunSpec("lfm2-control", CONTROL, scenario=LFM2), PATCHED),
+    (RunSpec("lfm2-recompute", RECOMPUTE, scenario=LFM2), PATCHED),
+    (RunSpec("lfm2-pristine", PRISTINE, scenario=LFM2), PRISTINE),
+    (RunSpec("lfm2-patched", PATCHED, scenario=LFM2), PATCHED),
+    (RunSpec("lfm2-without-load-wait", WITHOUT_LOAD_WAIT, scenario=LFM2), WITHOUT_LOAD_WAIT),
+    (two_ranks("tp2-lfm2-control", CONTROL, scenario=LFM2), PATCHED),
+    (two_ranks("tp2-lfm2-pristine", PRISTINE, miss_ranks=(1,), scenario=LFM2), PRISTINE),
+    (two_ranks("tp2-lfm2-patched", PATCHED, miss_ranks=(1,), scenario=LFM2), PATCHED),
+)
+CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
+CPU_MODEL_OF = {spec.name: spec.scenario.model for spec, _ in CPU_PLAN}
+CPU_MODELS = tuple(dict.fromkeys(CPU_MODEL_OF.values()))
+
+
+def runs_not_on_line(names: Sequence[str], version: str) -> dict[str, str]:
+    """The runs among `names` whose scenario the line's code lacks, each with the reason."""
+    return {
+        spec.name: f"needs sglang {spec.scenario.first_line} or newer ({spec.scenario.name})"
+        for spec, _ in CPU_PLAN
+        if spec.name in names and Version(version) < Version(spec.scenario.first_line)
+    }
+
+
+def runs_without_their_control(names: Sequence[str]) -> list[str]:
+    return [
+        f"{spec.name} needs {spec.control_name}"
+        for spec, _ in CPU_PLAN
+        if spec.name in names and spec.kind in COMPARING and spec.control_name not in names
+    ]
+
+
+def cpu_specs(line: Any, out: Path, names: Sequence[str]) -> list[RunSpec]:
+    """The chosen runs of CPU_PLAN, each with the folder it serves (the wheels are unpacked)."""
+    sites = {
+        PRISTINE: unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
+        PATCHED: unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
+        WITHOUT_LOAD_WAIT: line.without_load_wait,
+    }
+    return [dataclasses.replace(spec, site=sites[serves]) for spec, serves in CPU_PLAN if spec.name in names]
+
+
+def official_wheel_of(patched: Path) -> Path:
+    """The upstream wheel a patched wheel was built from, in upstream/.downloads (its provenance)."""
+    with zipfile.ZipFile(patched) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("sglang_carry_provenance.json"))
+        upstream: str = json.loads(archive.read(name))["upstream"]["file"]
+    return ROOT / "upstream" / ".downloads" / upstream
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model's runs, in the order they run, and what starts their servers: the flags before
+    each run's own, what goes on PYTHONPATH after the run's tree, and the interpreter."""
+
+    model: str
+    flags: Sequence[str]
+    specs: list[RunSpec]
+    pythonpath: list[Path]
+    python: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What main runs: the plans, the servers' environment, and what report.json says of the line."""
+
+    plans: list[ModelPlan]
+    env: dict[str, str]
+    report: dict[str, Any]
+
+
+class PlanError(Exception):
+    """The runs asked for cannot run (the message says why): exit 2, no server started."""
+
+
+def plan_cpu(
+    runs: str | None, models: str | None, upstream: str | None, out: Path, env: dict[str, str]
+) -> Prepared:
+    """`--runs` of CPU_PLAN (default: all the line has) for `--models`, on the line `upstream`
+    as cpu_line.py prepares it."""
+    names = [n for n in (runs or ",".join(CPU_RUNS)).split(",") if n]
+    unknown = sorted(set(names) - set(CPU_RUNS))
+    chosen_models = [m for m in (models or ",".join(CPU_MODELS)).split(",") if m]
+    unknown_models = sorted(set(chosen_models) - set(CPU_MODELS))
+    if unknown or unknown_models:
+        what = f"unknown run(s) {', '.join(unknown)}" if unknown else f"--models {models}"
+        raise PlanError(
+            f"{what}: on CPU the runs are {', '.join(CPU_RUNS)}, the models {', '.join(CPU_MODELS)}"
+        )
+    names = [name for name in names if CPU_MODEL_OF[name] in chosen_models]
+    missing = runs_without_their_control(names)
+    if missing:
+        raise PlanError(f"--runs: {'; '.join(missing)} (its outputs are compared with it)")
+    try:
+        line = cpu_line.prepare(upstream, out)
+        absent = runs_not_on_line(names, line.version)
+        if absent and runs is not None:
+            what = "; ".join(f"{name} {why}" for name, why in absent.items())
+            raise PlanError(f"--runs: {what} (the line is {line.version}): leave it out")
+        specs = cpu_specs(line, out, [name for name in names if name not in absent])
+    except (CarryError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as error:
+        raise PlanError(f"the line cannot be prepared: {error}") from error
+    plans = [
+        ModelPlan(
+            model,
+            CPU_FLAGS,
+            [spec for spec in specs if spec.scenario.model == model],
+            [CPU_STANDINS, line.server_deps],
+            str(line.python),
+        )
+        for model in dict.fromkeys(spec.scenario.model for spec in specs)
+    ]
+    report = {
+        "runs_not_on_this_line": absent,
+        "upstream": line.version,
+        "wheel": line.patched_wheel.name,
+        "pristine_wheel": line.pristine_wheel.name,
+        "without_load_wait": f"the series without {line.load_wait_entry}",
+    }
+    return Prepared(plans, cpu_env(env, out), report)
+
+
+def plan_gpu(
+    wheel: Path | None,
+    pristine_wheel: Path | None,
+    models: str | None,
+    python: str,
+    out: Path,
+    env: dict[str, str],
+) -> Prepared:
+    """Control, pristine and patched for each of `--models` (default: dense, hybrid): the patched
+    wheel is the interpreter's own, the pristine one unpacked first on its PYTHONPATH."""
+    if wheel is None:
+        raise PlanError("--wheel is required on a GPU (the patched wheel in this venv)")
+    pristine_wheel = pristine_wheel or official_wheel_of(wheel)
+    pristine_site = unpack_wheel(pristine_wheel, out / "pristine-site")
+    plans = [
+        ModelPlan(
+            name,
+            MODELS[name].gpu_flags,
+            [
+                RunSpec(CONTROL, CONTROL),
+                RunSpec(PRISTINE, PRISTINE, pristine_site),
+                RunSpec(PATCHED, PATCHED),
+            ],
+            [],
+            python,
+        )
+        for name in [n for n in (models or "dense,hybrid").split(",") if n]
+    ]
+    return Prepared(plans, env, {"wheel": wheel.name, "pristine_wheel": pristine_wheel.name})

@@ -1,0 +1,257 @@
+"""What a run showed and whether that is what its kind must show. The kinds: control (no miss,
+the reference), pristine (the official wheel: its scheduler must die of the allocation error),
+patched (the series: every miss unwound, outputs equal the control's), without-load-wait (the
+series without its load wait: the hazard must show) and recompute (every prompt recomputed: the
+control's outputs must equal it). A run's evidence is its answers and the hook's counters, read
+from every scheduler process (read_counters, take_counters); judge sets its verdict."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from .scenarios import HICACHE, Scenario
+from .traffic import Outcome, timed_out
+
+CONTROL, PRISTINE, PATCHED, WITHOUT_LOAD_WAIT = "control", "pristine", "patched", "without-load-wait"
+# The scenario's reference: the patched wheel recomputing every prompt (no prefix cache, no HiCache).
+RECOMPUTE = "recompute"
+INJECTING = (PRISTINE, PATCHED, WITHOUT_LOAD_WAIT)
+# The kinds whose outputs are compared with their control run's.
+COMPARING = (PATCHED, WITHOUT_LOAD_WAIT, RECOMPUTE)
+# The pristine scheduler's own exception must be raised where sglang allocates a prefill batch: the
+# allocation helpers (a KV or row miss) or the pools (a Mamba or ping-pong slot assert).
+ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/(allocation|memory_pool)\.py:")
+
+
+@dataclass
+class Run:
+    model: str
+    name: str
+    kind: str
+    tp: int = 1
+    withheld_tokens: int = 0
+    miss_at: str = "prefill"
+    withheld_drift: bool = False
+    scenario: str = HICACHE.name
+    started: bool = False
+    finished: int = 0
+    failed: int = 0
+    hung: bool = False
+    host_cached_tokens: int = 0
+    # Per TP rank (JSON keys are the rank as text), from the hook's counters in each scheduler.
+    misses: dict[str, int] = field(default_factory=dict)
+    unwinds: dict[str, int] = field(default_factory=dict)
+    # Decode retractions after a decode step's allocation missed (the carried decode agreement).
+    decode_retractions: dict[str, int] = field(default_factory=dict)
+    # Readings of the allocator's available_size() that were reduced (withheld_tokens > 0), and how
+    # many different amounts they withheld.
+    withheld_readings: dict[str, int] = field(default_factory=dict)
+    withheld_amounts: dict[str, int] = field(default_factory=dict)
+    died_with: dict[str, str] = field(default_factory=dict)
+    loads_started: int = 0
+    unwinds_logged: int = 0
+    server_died: bool = False
+    outputs_equal_control: bool | None = None
+    outputs_differing: int | None = None
+    # Each request whose output differs from the control's, with how often its prefill was put
+    # back (the most on any rank, from the scheduler's own unwinds).
+    differing_requests: dict[str, int] = field(default_factory=dict)
+    # Requests whose prefill was put back, and how often (the most on any rank).
+    unwound_requests: dict[str, int] = field(default_factory=dict)
+    # A hybrid model's Mamba state, from the CPU stand-ins' copy kernels in the servers: load
+    # copies landed in device Mamba slots, and those that landed after their slot was released
+    # (the seed's hazard, counted).
+    mamba_loads: int = 0
+    mamba_late_copies: int = 0
+    verdict: str = ""
+    ok: bool = False
+    seconds: float = 0.0
+    peak_rss_mb: int = 0
+    log: str = ""
+
+    @property
+    def injected_misses(self) -> int:
+        return sum(self.misses.values())
+
+    @property
+    def recoveries(self) -> dict[str, int]:
+        """What each rank did after a miss, per rank: put the prefill batch back (unwinds), or,
+        after a decode miss, retract."""
+        return self.decode_retractions if self.miss_at == "decode" else self.unwinds
+
+    @property
+    def recovery(self) -> str:
+        return "retracted after a decode miss" if self.miss_at == "decode" else "unwound"
+
+
+def read_counters(folder: Path) -> list[dict[str, Any]]:
+    """The hook's counters, one record per process that wrote any."""
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+
+
+def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
+    for record in records:
+        rank = str(record.get("rank", 0))
+        run.misses[rank] = run.misses.get(rank, 0) + int(record.get("injected_misses", 0))
+        run.unwinds[rank] = run.unwinds.get(rank, 0) + int(record.get("unwinds", 0))
+        retractions = int(record.get("decode_retractions", 0))
+        run.decode_retractions[rank] = run.decode_retractions.get(rank, 0) + retractions
+        withheld = int(record.get("withheld_readings", 0))
+        run.withheld_readings[rank] = run.withheld_readings.get(rank, 0) + withheld
+        amounts = int(record.get("withheld_amounts", 0))
+        run.withheld_amounts[rank] = max(run.withheld_amounts.get(rank, 0), amounts)
+        run.loads_started += int(record.get("loads_started", 0))
+        run.mamba_loads += int(record.get("mamba_copies_landed", 0))
+        run.mamba_late_copies += int(record.get("mamba_late_copies", 0))
+        for rid, times in (record.get("unwound_rids") or {}).items():
+            run.unwound_requests[rid] = max(run.unwound_requests.get(rid, 0), int(times))
+        died = record.get("died_with")
+        if died:
+            run.died_with[rank] = f"{died['type']}: {died['message'].strip()} (raised in {died['raised_in']})"
+
+
+def died_of_allocation(run: Run, injected: bool) -> list[str]:
+    """The ranks whose scheduler's own exception was raised in sglang's prefill allocation code
+    (and, where the misses are injected, that had one injected)."""
+    return sorted(
+        rank
+        for rank, error in run.died_with.items()
+        if ALLOCATION_CODE.search(error) and (run.misses.get(rank, 0) > 0 or not injected)
+    )
+
+
+def complete(
+    control: dict[str, list[int]] | None, scenario: Scenario = HICACHE
+) -> TypeGuard[dict[str, list[int]]]:
+    """A control run to compare with: it answered every request of the traffic."""
+    return control is not None and set(control) == scenario.keys()
+
+
+def judge(
+    run: Run, outcomes: list[Outcome], control: dict[str, list[int]] | None, scenario: Scenario = HICACHE
+) -> None:
+    """Set run.verdict / run.ok from what the run showed, against its kind's expectation."""
+    run.finished = sum(o.ok for o in outcomes)
+    run.failed = len(outcomes) - run.finished
+    run.host_cached_tokens = sum(o.host_cached for o in outcomes)
+    everything = run.failed == 0 and run.started
+    if complete(control, scenario) and everything:
+        differing_keys = [o.key for o in outcomes if o.output_ids != control.get(o.key)]
+        run.differing_requests = {key: run.unwound_requests.get(key, 0) for key in differing_keys}
+        run.outputs_differing = len(differing_keys)
+        run.outputs_equal_control = run.outputs_differing == 0
+    every_rank = [str(rank) for rank in range(run.tp)]
+    unwound_everywhere = all(run.recoveries.get(rank, 0) > 0 for rank in every_rank)
+    if not run.started:
+        run.ok, run.verdict = False, "the server never became healthy"
+    elif scenario.injects and run.kind in INJECTING and run.injected_misses == 0:
+        run.ok, run.verdict = (
+            False,
+            (
+                "no miss was injected (no decode step of two requests or more)"
+                if run.miss_at == "decode"
+                else "no miss was injected (no load in flight at an allocation)"
+            ),
+        )
+    elif run.withheld_tokens > 0 and not any(run.withheld_readings.values()):
+        run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
+    elif run.withheld_drift and max(run.withheld_amounts.values(), default=0) < 2:
+        run.ok, run.verdict = False, "the withheld reading did not drift (one amount withheld throughout)"
+    elif run.kind in COMPARING and not complete(control, scenario):
+        run.ok, run.verdict = False, "no complete control run to compare the outputs with"
+    elif run.hung:
+        run.ok, run.verdict = (
+            False,
+            f"HANG: {sum(map(timed_out, outcomes))} request(s) timed out, server alive",
+        )
+    elif run.kind == CONTROL and not scenario.control_loads_from_host:
+        # The reference of a natural run: its pool never missed, so nothing was put back.
+        run.ok = everything and not any(run.unwinds.values()) and not run.died_with
+        run.verdict = (
+            "all requests finished, no miss"
+            if run.ok
+            else f"{run.failed} failed, unwinds {run.unwinds}, died with {run.died_with or 'nothing'}"
+        )
+    elif run.kind == CONTROL:
+        mamba_loaded = run.mamba_loads > 0 or not scenario.mamba_state
+        run.ok = bool(
+            everything
+            and run.host_cached_tokens > 0
+            and run.loads_started > 0
+            and mamba_loaded
+            and not run.died_with
+        )
+        run.verdict = (
+            f"all requests finished, host hits seen{', Mamba states loaded' if scenario.mamba_state else ''}"
+            if run.ok
+            else f"{run.failed} failed, host-cached tokens {run.host_cached_tokens},"
+            f" loads {run.loads_started}, Mamba loads {run.mamba_loads},"
+            f" died with {run.died_with or 'nothing'}"
+        )
+    elif run.kind == RECOMPUTE:
+        run.ok = bool(everything and run.outputs_equal_control and not run.died_with)
+        run.verdict = (
+            "every output equals the control run's"
+            if run.ok
+            else f"{run.failed} failed, outputs equal control: {run.outputs_equal_control}"
+            f" ({run.outputs_differing} differ), died with {run.died_with or 'nothing'}"
+        )
+    elif run.kind == PRISTINE:
+        if run.server_died or run.failed or run.died_with:
+            ranks = died_of_allocation(run, scenario.injects)
+            run.ok = bool(ranks)
+            run.verdict = (
+                f"the scheduler died with the allocation error (as expected; rank {', '.join(ranks)})"
+                if run.ok
+                else "the server died, but no scheduler of the allocation error"
+                f" ({run.died_with or 'no error recorded'})"
+            )
+        elif scenario.injects:
+            run.ok = True
+            run.verdict = "UPSTREAM FIXED IT: pristine survived the injected misses (drop the unwind entries)"
+        else:
+            # The traffic did not bring the miss about this time (or upstream fixed it): the run
+            # showed nothing, so it cannot pass.
+            run.ok, run.verdict = False, "no natural miss this time: pristine survived its traffic"
+    elif run.kind == PATCHED:
+        run.ok = bool(
+            everything
+            and unwound_everywhere
+            and run.outputs_equal_control
+            and not run.died_with
+            and run.mamba_late_copies == 0
+        )
+        differ = run.outputs_differing
+        each = f" ({differ} differ, each with its unwinds: {run.differing_requests})" if differ else ""
+        run.verdict = (
+            f"every request finished, every rank {run.recovery}, outputs equal the control run's"
+            if run.ok
+            else (
+                f"{run.failed} failed, misses {run.misses}, {run.recovery}: {run.recoveries},"
+                f" outputs equal control: {run.outputs_equal_control}"
+                f"{each}, Mamba copies landed after their slot's release: {run.mamba_late_copies},"
+                f" died with {run.died_with or 'nothing'}"
+            )
+        )
+    else:
+        differing = run.outputs_differing or 0
+        run.ok = bool(everything and unwound_everywhere and differing > 0 and not run.died_with)
+        run.verdict = (
+            f"the hazard showed: {differing} of {len(outcomes)} outputs differ from the control run's"
+            + (
+                f"; {run.mamba_late_copies} Mamba copies landed after their slot's release"
+                if scenario.mamba_state
+                else ""
+            )
+            if run.ok
+            else (
+                "the missing wait went unseen: outputs equal the control run's"
+                if everything and unwound_everywhere and differing == 0
+                else f"{run.failed} failed, misses {run.misses}, unwinds {run.unwinds},"
+                f" died with {run.died_with or 'nothing'}"
+            )
+        )
