@@ -30,7 +30,11 @@ recover count decode retractions instead of unwinds; and per MODE:
 - natural-patched: no miss is injected, yet the first request is put back once on every rank
   (counted per rid too), and everything is answered;
 - late-copies: like patched, and (with CARRY_E2E_MAMBA=1) every Mamba load copy lands late;
-- no-mamba-loads: like control, but (with CARRY_E2E_MAMBA=1) no Mamba state is loaded.
+- no-mamba-loads: like control, but (with CARRY_E2E_MAMBA=1) no Mamba state is loaded;
+- no-prefetch: like patched, but nothing is prefetched from HiCache's L3 tier.
+With SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR set (HiCache's L3 tier on; the folder must exist) a
+host hit is reported as read from storage (cached_tokens_details.storage), and every rank counts a
+prefetch started and a termination check for it.
 With CARRY_E2E_MAMBA=1 every host hit lands MAMBA_COPIES_PER_HIT Mamba load copies on every rank
 (as the hybrid stand-ins count them), except in no-mamba-loads.
 With --child-pid-file it starts a child in its own process group (a scheduler) and records its PID.
@@ -74,7 +78,19 @@ miss_ranks = [int(r) for r in ranks.split(",")] if ranks else list(range(TP))
 withheld_tokens = int(os.environ.get("CARRY_E2E_WITHHELD_TOKENS", "0"))
 withholding = os.environ.get("CARRY_E2E_WITHHOLD_RANKS", "")
 withhold_ranks = [int(r) for r in withholding.split(",")] if withholding else list(range(TP))
-PATCHED_MODES = ("patched", "skewed", "one-rank-unwinds", "abort", "no-withhold", "no-drift", "late-copies")
+PATCHED_MODES = (
+    "patched",
+    "skewed",
+    "one-rank-unwinds",
+    "abort",
+    "no-withhold",
+    "no-drift",
+    "late-copies",
+    "no-prefetch",
+)
+# HiCache's L3 tier (the file backend), in the folder the run gave it.
+STORAGE_DIR = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+assert STORAGE_DIR is None or Path(STORAGE_DIR).is_dir(), STORAGE_DIR
 MAMBA = os.environ.get("CARRY_E2E_MAMBA") == "1"
 MAMBA_COPIES_PER_HIT = 3
 if MAMBA:
@@ -144,6 +160,10 @@ class Handler(BaseHTTPRequestHandler):
                     counts[rank]["withheld_amounts"] = min(4, readings) if drifting else 1
             if host_hit:
                 for rank_counts in counts.values():
+                    if STORAGE_DIR is not None and MODE != "no-prefetch":
+                        rank_counts["prefetches_started"] = rank_counts.get("prefetches_started", 0) + 1
+                        checks = rank_counts.get("prefetch_termination_checks", 0) + 1
+                        rank_counts["prefetch_termination_checks"] = checks
                     rank_counts["loads_started"] += 1
                     rank_counts["eligible_allocations"] += 1
                     if MAMBA and MODE != "no-mamba-loads":
@@ -181,11 +201,12 @@ class Handler(BaseHTTPRequestHandler):
         salt = 7 if MODE == "skewed" else 0
         output = [(sum(ids) + salt + i) % 1000 for i in range(n)]
         finish = {"type": "abort", "message": "aborted"} if aborted else {"type": "length", "length": n}
-        meta = {
-            "finish_reason": finish,
-            "cached_tokens": 256 if host_hit else 0,
-            "cached_tokens_details": {"device": 0, "host": 256 if host_hit else 0},
-        }
+        details = {"device": 0, "host": 256 if host_hit else 0}
+        if STORAGE_DIR is not None:
+            prefetched = host_hit and MODE != "no-prefetch"
+            details["storage"] = 256 if prefetched else 0
+        cached = 256 if host_hit else 0
+        meta = {"finish_reason": finish, "cached_tokens": cached, "cached_tokens_details": details}
         self._answer(200, {"output_ids": output, "meta_info": meta})
 
 

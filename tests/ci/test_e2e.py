@@ -356,6 +356,28 @@ def test_a_rank_local_pool_counts_from_its_free_list_not_its_withheld_reading(
         sys.meta_path[:] = before
 
 
+def test_hook_counts_the_l3_prefetches_it_started_and_their_termination_checks() -> None:
+    class Tree:
+        def __init__(self) -> None:
+            self.ongoing_prefetch: dict[str, object] = {}
+
+        def prefetch_from_storage(self, request: str, tokens: list[int], hit: bool = True) -> None:
+            if hit:
+                self.ongoing_prefetch[request] = tokens
+
+        def _can_terminate_prefetch(self, operation: object) -> bool:
+            return operation == "late"
+
+    injector = hook.Injector(limit=0, counters_dir=None)
+    hook.wrap_prefetches(Tree, injector)
+    tree = Tree()
+    tree.prefetch_from_storage("a", [1])
+    tree.prefetch_from_storage("a", [1])  # already in flight: not a new prefetch
+    tree.prefetch_from_storage("b", [2], hit=False)  # nothing in storage: none started
+    assert [tree._can_terminate_prefetch(op) for op in ("early", "late")] == [False, True]
+    assert injector.counts["prefetches_started"] == 1 and injector.counts["prefetch_termination_checks"] == 2
+
+
 def test_hook_wraps_once_and_counts_loads(tmp_path: Path) -> None:
     injector = hook.Injector(limit=0, counters_dir=None)
     cls = type("Alloc", (), {"alloc": lambda self, n: [n]})
@@ -524,6 +546,24 @@ def test_a_hung_server_gets_no_more_waves(
     assert run.hung and run.finished == 3 and run.failed == 6 and time.monotonic() - started < 30
     assert all(map(traffic.timed_out, outcomes[3:6]))  # the second wave: each request missed
     assert [o.error for o in outcomes[6:]] == ["not sent: an earlier request hung"] * 3
+
+
+TP2_L3 = next(spec for spec, _ in CPU_PLAN if spec.name == "tp2-l3")
+
+
+def test_the_l3_run_prefetches_from_its_own_files_and_fails_without_a_storage_hit(
+    tmp_path: Path, control_outputs: dict[str, list[int]]
+) -> None:
+    assert TP2_L3.l3_storage and TP2_L3.withheld_drift and TP2_L3.control_name == "tp2-control"
+    assert {"--hicache-storage-backend", "file", "timeout"} <= set(TP2_L3.server_flags)
+    run, _ = _run(tmp_path, "patched", TP2_L3, control_outputs)
+    assert run.ok and run.storage_cached_tokens == 3 * 256, run
+    assert run.prefetches == run.prefetch_termination_checks == {"0": 3, "1": 3}
+    assert run.verdict.endswith("768 prompt tokens read from L3"), run
+    assert (tmp_path / "l3-storage" / "dense-tp2-l3").is_dir()
+    none_prefetched, _ = _run(tmp_path, "no-prefetch", TP2_L3, control_outputs)
+    assert not none_prefetched.ok, none_prefetched
+    assert none_prefetched.verdict.startswith("no L3 prefetch was checked in flight on every rank")
 
 
 def test_tp2_uneven_is_compared_with_the_tp2_control() -> None:

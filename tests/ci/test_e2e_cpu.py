@@ -10,7 +10,7 @@ import importlib.util
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -152,3 +152,14 @@ def test_sgl_kernel_cpu_ops() -> None:
     assert all(torch.equal(b, e) for b, e in zip(buffers, expected, strict=True))
     with pytest.raises(NotImplementedError, match="not in the e2e's CPU stand-in"):
         kernel.verify_tree_greedy()
+
+
+def test_a_host_pool_never_asks_for_pinned_memory() -> None:
+    class HostKVCache:
+        def __init__(self, size: int, pin_memory: bool = True) -> None:
+            self.size, self.pin_memory = size, pin_memory
+
+    cpu.patch_host_pool_pinning(SimpleNamespace(HostKVCache=HostKVCache))
+    pool = HostKVCache(8, pin_memory=True)
+    assert pool.size == 8 and pool.pin_memory is False
+    assert cpu.PATCHES["sglang.srt.mem_cache.pool_host.base"] is cpu.patch_host_pool_pinning

@@ -335,6 +335,21 @@ def patch_host_allocation(module: Any) -> None:
     module.ALLOC_MEMORY_FUNCS["cpu"] = alloc_plain
 
 
+def patch_host_pool_pinning(module: Any) -> None:
+    """Page-locking host memory needs the CUDA driver; on CPU a host pool's pages are plain memory
+    (alloc_plain), so the pool must not ask for pinned tensors later either: HiCache's L3 page reads
+    allocate their bounce pages with the pool's pin_memory (pool_host/mha.py,
+    get_dummy_flat_data_page), which raises "Found no NVIDIA driver" on a CPU torch."""
+    pool = module.HostKVCache
+    real_init = pool.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        self.pin_memory = False
+
+    pool.__init__ = __init__
+
+
 def install() -> dict[str, Callable[[Any], None]]:
     """Patch torch.cpu now (torch is imported by this module); return the module patches."""
     patch_torch_cpu(torch.cpu)
@@ -345,4 +360,5 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     "sglang.srt.mem_cache.l2_transfer": patch_l2_transfer,
     "sglang.srt.mem_cache.pool_host.mha": patch_host_pool_kernels,
     "sglang.srt.mem_cache.pool_host.common": patch_host_allocation,
+    "sglang.srt.mem_cache.pool_host.base": patch_host_pool_pinning,
 }

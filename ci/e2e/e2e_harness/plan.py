@@ -39,6 +39,23 @@ WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 4
 # retracted requests' nodes) and aborts its last request with a 500 (upstream's mechanism, not a
 # rank disagreement); an eighth keeps these runs about the readings' drift, not that.
 DRIFT_WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 8
+# tp2-l3: HiCache's L3 tier (the file backend), its prefetches stopped by the `timeout` policy,
+# whose termination check is an all-reduce inside admission (unified_radix_cache.py:2295-2312 in
+# 0.5.23, `_can_terminate_prefetch`). A host pool of twice the device pool (2048 tokens) is smaller
+# than one wave's prompts (8 x 272), so a later wave finds its early prefixes evicted from host and
+# prefetches them from the files while the ranks' readings drift.
+L3_FLAGS = (
+    "--hicache-storage-backend",
+    "file",
+    "--hicache-storage-prefetch-policy",
+    "timeout",
+    "--hicache-ratio",
+    "2",
+    # Prefetch whatever the host misses (the default threshold, 256 tokens, skips a prompt whose
+    # prefix is still partly on host).
+    "--hicache-storage-backend-extra-config",
+    '{"prefetch_threshold": 16}',
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,8 @@ class RunSpec:
     # Where the misses are injected: a prefill batch's allocation, or a decode step's.
     miss_at: str = "prefill"
     scenario: Scenario = HICACHE
+    # HiCache's L3 tier: the file backend in a folder of the run's own (L3_FLAGS).
+    l3_storage: bool = False
 
     @property
     def control_name(self) -> str:
@@ -116,6 +135,14 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     # As tp2-drift's withholding (steady), with the prefill delayer, which negotiates over the TP
     # group inside admission from the pools' usage.
     (uneven_ranks("tp2-delayer", DRIFT_WITHHELD_TOKENS, server_flags=("--enable-prefill-delayer",)), PATCHED),
+    # As tp2-drift, with HiCache's L3 tier: prefetches from the files in flight while the ranks'
+    # readings drift (a prefetch's `timeout` check all-reduces inside admission).
+    (
+        uneven_ranks(
+            "tp2-l3", DRIFT_WITHHELD_TOKENS, withheld_drift=True, server_flags=L3_FLAGS, l3_storage=True
+        ),
+        PATCHED,
+    ),
     # The miss in a decode step's allocation on rank 1 only (a co-tenant took the physical memory
     # the agreed ledger counts): pristine's rank 1 dies while rank 0 waits in the forward; the
     # series gives the step back and retracts the same request on both ranks.

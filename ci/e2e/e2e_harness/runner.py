@@ -49,6 +49,7 @@ def run_once(
         spec.miss_at,
         spec.withheld_drift,
         scenario.name,
+        l3_storage=spec.l3_storage,
         log=log,
     )
     counters = out / "counters" / f"{model}-{spec.name}"
@@ -75,6 +76,12 @@ def run_once(
             env["CARRY_E2E_WITHHOLD_RANKS"] = ",".join(map(str, spec.withhold_ranks))
         if spec.withheld_drift:
             env["CARRY_E2E_WITHHELD_DRIFT"] = "1"
+    if spec.l3_storage:
+        storage = out / "l3-storage" / f"{model}-{spec.name}"
+        shutil.rmtree(storage, ignore_errors=True)
+        storage.mkdir(parents=True)
+        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(storage)
+        env["CARRY_E2E_L3"] = "1"
     env.update(spec.extra_env)
     server = Server.start(command, env, out / run.log, port)
     memory = PeakMemory(server.process.pid)

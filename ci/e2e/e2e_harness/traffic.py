@@ -53,6 +53,8 @@ class Outcome:
     ok: bool
     output_ids: list[int] = field(default_factory=list)
     host_cached: int = 0
+    # Read from HiCache's L3 tier (the server reports it only when the tier is on).
+    storage_cached: int = 0
     cached: int = 0
     error: str = ""
 
@@ -128,6 +130,7 @@ def generate(base_url: str, request: Request, timeout_s: float = REQUEST_TIMEOUT
         ok,
         output_ids=list(answer.get("output_ids", [])),
         host_cached=int(details.get("host", 0) or 0),
+        storage_cached=int(details.get("storage", 0) or 0),
         cached=int(meta.get("cached_tokens", 0) or 0),
         error="" if ok else f"finish_reason {finish!r}",
     )

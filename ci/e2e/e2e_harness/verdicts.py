@@ -37,11 +37,14 @@ class Run:
     miss_at: str = "prefill"
     withheld_drift: bool = False
     scenario: str = HICACHE.name
+    # HiCache's L3 tier on (the file backend): its prefetches must have served some prompt.
+    l3_storage: bool = False
     started: bool = False
     finished: int = 0
     failed: int = 0
     hung: bool = False
     host_cached_tokens: int = 0
+    storage_cached_tokens: int = 0
     # Per TP rank (JSON keys are the rank as text), from the hook's counters in each scheduler.
     misses: dict[str, int] = field(default_factory=dict)
     unwinds: dict[str, int] = field(default_factory=dict)
@@ -67,6 +70,10 @@ class Run:
     # (the seed's hazard, counted).
     mamba_loads: int = 0
     mamba_late_copies: int = 0
+    # HiCache's L3 tier (l3_storage), per TP rank: prefetches started, and the termination checks
+    # of those in flight (an all-reduce inside admission with the `timeout` policy).
+    prefetches: dict[str, int] = field(default_factory=dict)
+    prefetch_termination_checks: dict[str, int] = field(default_factory=dict)
     verdict: str = ""
     ok: bool = False
     seconds: float = 0.0
@@ -107,6 +114,10 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         run.loads_started += int(record.get("loads_started", 0))
         run.mamba_loads += int(record.get("mamba_copies_landed", 0))
         run.mamba_late_copies += int(record.get("mamba_late_copies", 0))
+        if run.l3_storage:
+            run.prefetches[rank] = run.prefetches.get(rank, 0) + int(record.get("prefetches_started", 0))
+            checks = int(record.get("prefetch_termination_checks", 0))
+            run.prefetch_termination_checks[rank] = run.prefetch_termination_checks.get(rank, 0) + checks
         for rid, times in (record.get("unwound_rids") or {}).items():
             run.unwound_requests[rid] = max(run.unwound_requests.get(rid, 0), int(times))
         died = record.get("died_with")
@@ -138,6 +149,7 @@ def judge(
     run.finished = sum(o.ok for o in outcomes)
     run.failed = len(outcomes) - run.finished
     run.host_cached_tokens = sum(o.host_cached for o in outcomes)
+    run.storage_cached_tokens = sum(o.storage_cached for o in outcomes)
     everything = run.failed == 0 and run.started
     if complete(control, scenario) and everything:
         differing_keys = [o.key for o in outcomes if o.output_ids != control.get(o.key)]
@@ -146,6 +158,7 @@ def judge(
         run.outputs_equal_control = run.outputs_differing == 0
     every_rank = [str(rank) for rank in range(run.tp)]
     unwound_everywhere = all(run.recoveries.get(rank, 0) > 0 for rank in every_rank)
+    prefetches_checked_everywhere = all(run.prefetch_termination_checks.get(rank, 0) for rank in every_rank)
     if not run.started:
         run.ok, run.verdict = False, "the server never became healthy"
     elif scenario.injects and run.kind in INJECTING and run.injected_misses == 0:
@@ -161,6 +174,13 @@ def judge(
         run.ok, run.verdict = False, "nothing was withheld (no reading of the free space was reduced)"
     elif run.withheld_drift and max(run.withheld_amounts.values(), default=0) < 2:
         run.ok, run.verdict = False, "the withheld reading did not drift (one amount withheld throughout)"
+    elif everything and run.l3_storage and not (prefetches_checked_everywhere and run.storage_cached_tokens):
+        run.ok, run.verdict = (
+            False,
+            f"no L3 prefetch was checked in flight on every rank, or none was read (prefetches"
+            f" {run.prefetches}, termination checks {run.prefetch_termination_checks},"
+            f" {run.storage_cached_tokens} prompt tokens read from L3)",
+        )
     elif run.kind in COMPARING and not complete(control, scenario):
         run.ok, run.verdict = False, "no complete control run to compare the outputs with"
     elif run.hung:
@@ -229,6 +249,12 @@ def judge(
         each = f" ({differ} differ, each with its unwinds: {run.differing_requests})" if differ else ""
         run.verdict = (
             f"every request finished, every rank {run.recovery}, outputs equal the control run's"
+            + (
+                f"; L3 prefetches {run.prefetches}, their termination checks"
+                f" {run.prefetch_termination_checks}, {run.storage_cached_tokens} prompt tokens read from L3"
+                if run.l3_storage
+                else ""
+            )
             if run.ok
             else (
                 f"{run.failed} failed, misses {run.misses}, {run.recovery}: {run.recoveries},"

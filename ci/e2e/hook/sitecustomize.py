@@ -59,6 +59,9 @@ BATCH_MODULE = "sglang.srt.managers.schedule_batch"
 ALLOCATOR_PACKAGE = "sglang.srt.mem_cache.allocator"
 CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+# HiCache's tree, whose L3 prefetches are counted when the tier is on (CARRY_E2E_L3=1).
+TREE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
+L3_COUNTS = ("prefetches_started", "prefetch_termination_checks")
 ALLOC_METHODS = ("alloc", "alloc_extend")
 AVAILABLE_METHOD = "available_size"
 UNIFORM_METHOD = "uniform_available_size"
@@ -405,6 +408,29 @@ def wrap_start_loading(controller_class: type, injector: Injector) -> None:
     controller_class.start_loading = start_loading  # type: ignore[attr-defined]
 
 
+def wrap_prefetches(tree_class: type, injector: Injector) -> None:
+    """Count the L3 prefetches a tree started (each request it put in flight) and the termination
+    checks their progress made."""
+    for key in L3_COUNTS:
+        injector.counts.setdefault(key, 0)
+    start = tree_class.prefetch_from_storage  # type: ignore[attr-defined]
+    check = tree_class._can_terminate_prefetch  # type: ignore[attr-defined]
+
+    def prefetch_from_storage(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        in_flight_before = request in self.ongoing_prefetch
+        result = start(self, request, *args, **kwargs)
+        if not in_flight_before and request in self.ongoing_prefetch:
+            injector.count("prefetches_started", SAVE_EVERY_S)
+        return result
+
+    def can_terminate_prefetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        injector.count("prefetch_termination_checks", SAVE_EVERY_S)
+        return check(self, *args, **kwargs)
+
+    tree_class.prefetch_from_storage = prefetch_from_storage  # type: ignore[attr-defined]
+    tree_class._can_terminate_prefetch = can_terminate_prefetch  # type: ignore[attr-defined]
+
+
 def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
     """Count the unwinds (where the tree has one) and record the event loop's fatal exception."""
     wrapped = []
@@ -543,6 +569,11 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
         CONTROLLER_MODULE: patch_controller,
         SCHEDULER_MODULE: patch_scheduler,
     }
+    if env.get("CARRY_E2E_L3") == "1":
+        # HiCache L3: prefetches from storage started, and their termination checks (with the
+        # `timeout` policy each is an all-reduce inside admission).
+        injector.counts.update(dict.fromkeys(L3_COUNTS, 0))
+        patches[TREE_MODULE] = lambda module: wrap_prefetches(module.UnifiedRadixCache, injector)
     if env.get("CARRY_E2E_CPU") == "1":
         import carry_e2e_cpu  # on PYTHONPATH only in the CPU mode's servers
 
