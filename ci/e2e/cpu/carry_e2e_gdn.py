@@ -238,7 +238,8 @@ def fused_sigmoid_gating_delta_rule_update(
     at [cu_seqlens[n], cu_seqlens[n+1]) from state slot initial_state_indices[n]; every token
     updates the state in float32 in the kernel's order, which is stored back in the pool's dtype.
     Returns o (1, T, HV, V) in q's dtype."""
-    given = sorted(name for name in _DECODE_OPTIONS_NOT_HERE if kwargs.pop(name, None) not in (None, False))
+    options = {name: kwargs.pop(name, None) for name in _DECODE_OPTIONS_NOT_HERE}
+    given = sorted(name for name, value in options.items() if value is not None and value is not False)
     if is_kda or given or kwargs:
         raise NotImplementedError(
             f"carry-e2e-gdn: decode options {['is_kda'] * is_kda + given + sorted(kwargs)}"
