@@ -514,7 +514,8 @@ def cpu_bound_names(source: str) -> tuple[set[str], set[str]]:
 
 def test_the_names_are_those_the_gdn_model_and_backend_take_on_cpu() -> None:
     tree = sglang_module("upstream.conftest").upstream_tree("sglang") / "sglang/srt"
-    imported, ops = set(), set()
+    imported: set[str] = set()
+    ops: set[str] = set()
     for path in (
         "models/qwen3_5.py",
         "layers/attention/linear/gdn_backend.py",
