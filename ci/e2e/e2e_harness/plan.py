@@ -162,6 +162,17 @@ CPU_MODEL_OF = {spec.name: spec.scenario.model for spec, _ in CPU_PLAN}
 CPU_MODELS = tuple(dict.fromkeys(CPU_MODEL_OF.values()))
 
 
+def chosen_runs(runs: str | None, models: str | None) -> list[str]:
+    """The runs `--runs` names (`all`: every run); without it the default run's, and every run of
+    a model `--models` names (its runs are what was asked for, in the default run or not)."""
+    if runs == ALL_RUNS:
+        return list(CPU_RUNS)
+    if runs is not None:
+        return [name for name in runs.split(",") if name]
+    named = {m for m in models.split(",") if m} if models is not None else set()
+    return [name for name in CPU_RUNS if name in CPU_DEFAULT_RUNS or CPU_MODEL_OF[name] in named]
+
+
 def runs_not_on_line(names: Sequence[str], version: str) -> dict[str, str]:
     """The runs among `names` whose scenario the line's code lacks, each with the reason."""
     return {
@@ -229,13 +240,7 @@ def plan_cpu(
     Without `--runs`: the default run's (CPU_DEFAULT_RUNS) and every run of a model `--models`
     names; `--runs all`: every run. Either way only those the line has."""
     chosen_models = [m for m in (models or ",".join(CPU_MODELS)).split(",") if m]
-    if runs is None:
-        named = set(chosen_models) if models is not None else set()
-        names = [n for n in CPU_RUNS if n in CPU_DEFAULT_RUNS or CPU_MODEL_OF[n] in named]
-    elif runs == ALL_RUNS:
-        names = list(CPU_RUNS)
-    else:
-        names = [n for n in runs.split(",") if n]
+    names = chosen_runs(runs, models)
     unknown = sorted(set(names) - set(CPU_RUNS))
     unknown_models = sorted(set(chosen_models) - set(CPU_MODELS))
     if unknown or unknown_models:
