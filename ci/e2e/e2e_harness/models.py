@@ -90,7 +90,7 @@ HYBRID_LFM2 = {
 # full_attention_interval (configs/qwen3_next.py:260-269): [GDN, GDN, attention, GDN]; layer_types
 # says the same for other readers. Head counts divide by 2, so the CPU head-count rewrite
 # (configs/update_config.py:111-142) keeps them at one rank and at two.
-HYBRID_GDN = {
+HYBRID_GDN: dict[str, Any] = {
     "architectures": ["Qwen3_5ForCausalLM"],
     "model_type": "qwen3_5_text",
     "hidden_size": 256,
