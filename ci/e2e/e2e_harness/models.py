@@ -108,6 +108,8 @@ HYBRID_GDN: dict[str, Any] = {
     "linear_num_value_heads": 4,
     "partial_rotary_factor": 0.25,
     "rope_theta": 10000.0,
+    # Qwen3.5's checkpoints name the rope here; without a type sglang refuses an empty rope_scaling.
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "vocab_size": VOCAB,
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
