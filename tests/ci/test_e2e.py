@@ -813,8 +813,7 @@ def test_the_gdn_runs_are_nightly_only_with_their_controls() -> None:
     assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)  # the nightly
     assert set(chosen_runs(None, "gdn")) == set(CPU_DEFAULT_RUNS) | set(GDN_SPECS)  # then kept to gdn
     assert chosen_runs("gdn-control,gdn-patched", None) == ["gdn-control", "gdn-patched"]
-    reason = "needs sglang 0.5.23 or newer (gdn)"
-    assert runs_not_on_line(["lfm2-control", "gdn-control"], "0.5.22") == {"gdn-control": reason}
+    assert GDN.first_line == "0.5.20" and runs_not_on_line(list(GDN_SPECS), "0.5.20") == {}
 
 
 def test_gdn_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference(
