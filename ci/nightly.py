@@ -372,8 +372,10 @@ class Nightly:
         self._step_in_test_env(row, line, "cpu-tests", pytest)
 
     def run_cpu_e2e(self, row: str, line: Line) -> None:
-        """A real server on CPU, one rank and two (ci/e2e/run_e2e.py --device cpu)."""
+        """A real server on CPU, one rank and two (ci/e2e/run_e2e.py --device cpu), every run the line
+        has (`--runs all`: also those ./scripts/test's default run leaves to the nightly)."""
         e2e = [str(self.root / "ci" / "e2e" / "run_e2e.py"), "--device", "cpu", "--upstream", line.version]
+        e2e += ["--runs", "all"]
         self._step_in_test_env(
             row, line, "e2e-cpu", [*e2e, "--out", str(self.out / "e2e-cpu" / line.version)]
         )

@@ -16,7 +16,8 @@ pristine wheel from the pin, the patched wheel built if missing, the series with
 wait), served by the line's test environment with SGLANG_USE_CPU_ENGINE=1 and the stand-ins of
 ci/e2e/cpu/ (sgl_kernel's CPU ops, the two HiCache copy kernels, plain host-pool memory, and
 HiCache's copy streams running their copies later on a worker, so a load is really in flight).
-The runs (`--runs`, default all of CPU_RUNS the line has): control, pristine, patched,
+The runs (`--runs`, default the default run's, CPU_DEFAULT_RUNS, that the line has; `--runs all`:
+every run of CPU_RUNS the line has, as the nightly runs it): control, pristine, patched,
 without-load-wait, and the same first three with --tp-size 2 (tp2-control, tp2-pristine,
 tp2-patched), the miss on rank 1 only and the KV pool marked rank-local on every rank, as a
 kvcached elastic pool is; and tp2-uneven, tp2-patched with rank 0's free space reported
@@ -28,6 +29,8 @@ And the natural runs, no miss injected: natural-control, natural-pristine, natur
 their tp2- twins serve traffic under which upstream's own admission overcommits a chunked prefill
 (NATURAL: the flags, traffic and mechanism), natural-control on a pool large enough not to miss;
 a line older than a scenario's first_line runs without them (report.json names them).
+The hybrid runs (`lfm2-*`, `tp2-lfm2-*`; nightly and `--models` only: `gdn-*`, `tp2-gdn-*`) serve
+tiny hybrid models with their Mamba state backed up to host and loaded back (README: the hybrid runs).
 
 Every server runs `python -m sglang.launch_server` with --skip-tokenizer-init and no CUDA graphs;
 the injected runs (HICACHE) with native HiCache (write-through) and a 1024-token KV pool, under
@@ -83,11 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pristine-wheel", type=Path, help="GPU: the official wheel (default: from the provenance)"
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--models", default=None, help="GPU: dense,hybrid; CPU: dense,lfm2 (default: all)")
+    parser.add_argument(
+        "--models", default=None, help="GPU: dense,hybrid; CPU: dense,lfm2,gdn (default: all)"
+    )
     parser.add_argument(
         "--runs",
         default=None,
-        help="CPU: which runs, in the order of CPU_PLAN (default: all the line has)",
+        help="CPU: which runs, in the order of CPU_PLAN, or `all` (default: the default run's)",
     )
     parser.add_argument("--python", default=sys.executable, help="GPU: the interpreter that runs the servers")
     parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)

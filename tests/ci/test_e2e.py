@@ -26,17 +26,20 @@ sys.path.insert(0, str(ROOT / "ci" / "e2e" / "hook"))
 import run_e2e  # noqa: E402
 import sitecustomize as hook  # noqa: E402
 from e2e_harness import traffic  # noqa: E402
-from e2e_harness.models import DENSE_LLAMA, MODELS, llama_weight_shapes, write_models  # noqa: E402
+from e2e_harness.models import DENSE_LLAMA, HYBRID_GDN, MODELS, llama_weight_shapes, write_models  # noqa: E402
 from e2e_harness.plan import (  # noqa: E402
+    ALL_RUNS,
+    CPU_DEFAULT_RUNS,
     CPU_MODELS,
     CPU_PLAN,
     CPU_RUNS,
     RunSpec,
+    chosen_runs,
     runs_not_on_line,
     runs_without_their_control,
 )
 from e2e_harness.runner import run_once  # noqa: E402
-from e2e_harness.scenarios import LFM2, MAX_TOTAL_TOKENS, NATURAL  # noqa: E402
+from e2e_harness.scenarios import GDN, LFM2, MAX_TOTAL_TOKENS, NATURAL  # noqa: E402
 from e2e_harness.server import CPU_FLAGS, HOOK, Server, free_port, server_command  # noqa: E402
 from e2e_harness.verdicts import Run, judge  # noqa: E402
 
@@ -710,6 +713,12 @@ def test_flags_and_configs_are_what_sglang_reads(tmp_path: Path) -> None:
     assert recompute is not None
     args = parser.parse_args(server_command("python", tmp_path / "lfm2", 1, cpu, recompute)[3:])
     assert args.disable_radix_cache and not args.enable_hierarchical_cache
+    gdn = get_config(str(write_models(tmp_path, ["gdn"])["gdn"]), trust_remote_code=False)
+    assert type(gdn).__name__ == "Qwen3_5TextConfig" and gdn.architectures == ["Qwen3_5ForCausalLM"]
+    assert gdn.full_attention_layer_ids == [2] and gdn.linear_layer_ids == [0, 1, 3]
+    # sglang takes the kinds from the interval; HF readers from layer_types: they agree
+    hf_kinds = [kind.replace("full_attention", "attention") for kind in HYBRID_GDN["layer_types"]]
+    assert gdn.layers_block_type == hf_kinds  # sglang spells full attention "attention"
 
 
 # --------------------------------------------------------------------------------------------
@@ -792,7 +801,7 @@ def test_the_lfm2_runs_and_their_controls() -> None:
         *(f"tp2-lfm2-{kind}" for kind in ("control", "pristine", "patched")),
     }
     assert {spec.control_name for spec in LFM2_SPECS.values()} == {"lfm2-control", "tp2-lfm2-control"}
-    assert CPU_MODELS == ("dense", "lfm2") and LFM2.model == "lfm2"
+    assert CPU_MODELS == ("dense", "lfm2", "gdn") and LFM2.model == "lfm2"
     # Every wave after the first extends the same group's prompt: a no_buffer tree's only hits.
     waves = traffic.plan_growing_traffic()
     for earlier, later in itertools.pairwise(waves):
@@ -820,6 +829,49 @@ def test_lfm2_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference
     late, _ = _run(tmp_path, "late-copies", LFM2_SPECS["lfm2-patched"], reference)
     assert not late.ok and "Mamba copies landed after their slot's release: 9" in late.verdict, late
     differing, _ = _run(tmp_path, "skewed", LFM2_SPECS["lfm2-recompute"], reference)
+    assert not differing.ok and differing.verdict.startswith(
+        "0 failed, outputs equal control: False (6 differ)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The gated-delta-net hybrid (Qwen3.5's text model): nightly, with LFM2's Mamba evidence
+# --------------------------------------------------------------------------------------------
+GDN_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is GDN}
+
+
+def test_the_gdn_runs_are_nightly_only_with_their_controls() -> None:
+    assert set(GDN_SPECS) == {
+        *(f"gdn-{kind}" for kind in ("control", "recompute", "pristine", "patched", "without-load-wait")),
+        *(f"tp2-gdn-{kind}" for kind in ("control", "pristine", "patched")),
+    }
+    assert {spec.control_name for spec in GDN_SPECS.values()} == {"gdn-control", "tp2-gdn-control"}
+    assert GDN.gdn_kernels and GDN.mamba_state and not GDN.in_default_run
+    assert not set(GDN_SPECS) & set(CPU_DEFAULT_RUNS)
+    assert set(CPU_DEFAULT_RUNS) == set(CPU_RUNS) - set(GDN_SPECS)  # every other run stays in the default
+    assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS)  # ./scripts/test
+    assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)  # the nightly
+    assert set(chosen_runs(None, "gdn")) == set(CPU_DEFAULT_RUNS) | set(GDN_SPECS)  # then kept to gdn
+    assert chosen_runs("gdn-control,gdn-patched", None) == ["gdn-control", "gdn-patched"]
+    assert GDN.first_line == "0.5.20" and runs_not_on_line(list(GDN_SPECS), "0.5.20") == {}
+
+
+def test_gdn_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference(
+    tmp_path: Path, small_traffic: None
+) -> None:
+    control, outcomes = _run(tmp_path, "control", GDN_SPECS["gdn-control"])
+    assert control.ok and control.mamba_loads > 0, control
+    reference = {o.key: o.output_ids for o in outcomes}
+    recompute, _ = _run(tmp_path, "control", GDN_SPECS["gdn-recompute"], reference)
+    assert recompute.ok, recompute
+    patched, _ = _run(tmp_path, "patched", GDN_SPECS["gdn-patched"], reference)
+    assert patched.ok and patched.mamba_late_copies == 0, patched
+
+    no_loads, _ = _run(tmp_path, "no-mamba-loads", GDN_SPECS["gdn-control"])
+    assert not no_loads.ok and "Mamba loads 0" in no_loads.verdict, no_loads
+    late, _ = _run(tmp_path, "late-copies", GDN_SPECS["gdn-patched"], reference)
+    assert not late.ok and "Mamba copies landed after their slot's release: 9" in late.verdict, late
+    differing, _ = _run(tmp_path, "skewed", GDN_SPECS["gdn-recompute"], reference)
     assert not differing.ok and differing.verdict.startswith(
         "0 failed, outputs equal control: False (6 differ)"
     )

@@ -186,6 +186,8 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     e2e_cpu = project.commands("--device")
     assert [argv[argv.index("--upstream") + 1] for argv in e2e_cpu] == ["0.5.20", "0.5.21"]
     assert all(argv[1].endswith("ci/e2e/run_e2e.py") and argv[2:4] == ["--device", "cpu"] for argv in e2e_cpu)
+    # Every run the line has, also those ./scripts/test's default run leaves out (gdn-*).
+    assert all(argv[argv.index("--runs") + 1] == "all" for argv in e2e_cpu)
     # ... and not once more inside the project row's ./scripts/test.
     [project_env] = [env for argv, env in project.calls if Path(argv[0]).name == "test"]
     assert project_env == {"CARRY_TEST_E2E": "0"}

@@ -84,6 +84,96 @@ HYBRID_LFM2 = {
 }
 
 
+# A gated-delta-net hybrid, Qwen3.5's dense text model (`Qwen3_5ForCausalLM`): GDN layers, whose
+# Mamba state is a short conv's plus the delta rule's (HV, V, K) float32 matrix (the temporal
+# state), and a gated full-attention layer. sglang takes the layer kinds from
+# full_attention_interval (configs/qwen3_next.py:260-269): [GDN, GDN, attention, GDN]; layer_types
+# says the same for other readers. Head counts divide by 2, so the CPU head-count rewrite
+# (configs/update_config.py:111-142) keeps them at one rank and at two.
+HYBRID_GDN: dict[str, Any] = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 3,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000.0,
+    # Qwen3.5's checkpoints name the rope here; without a type sglang refuses an empty rope_scaling.
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def gdn_weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF Qwen3.5 text parameter names and shapes for `config` (sglang's load_weights maps
+    in_proj_qkv/in_proj_z and in_proj_b/in_proj_a onto its fused projections: qwen3_5.py:1985)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim, heads, kv_heads = (
+        config["head_dim"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    key_dim = config["linear_key_head_dim"] * config["linear_num_key_heads"]
+    value_dim = config["linear_value_head_dim"] * config["linear_num_value_heads"]
+    value_heads = config["linear_num_value_heads"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+        if (i + 1) % config["full_attention_interval"] == 0:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (2 * heads * head_dim, hidden),  # q and its output gate
+                p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                p + "self_attn.q_norm.weight": (head_dim,),
+                p + "self_attn.k_norm.weight": (head_dim,),
+            }
+        else:
+            shapes |= {
+                p + "linear_attn.in_proj_qkv.weight": (2 * key_dim + value_dim, hidden),
+                p + "linear_attn.in_proj_z.weight": (value_dim, hidden),
+                p + "linear_attn.in_proj_b.weight": (value_heads, hidden),
+                p + "linear_attn.in_proj_a.weight": (value_heads, hidden),
+                p + "linear_attn.conv1d.weight": (
+                    2 * key_dim + value_dim,
+                    1,
+                    config["linear_conv_kernel_dim"],
+                ),
+                p + "linear_attn.dt_bias": (value_heads,),
+                p + "linear_attn.A_log": (value_heads,),
+                p + "linear_attn.norm.weight": (config["linear_value_head_dim"],),
+                p + "linear_attn.out_proj.weight": (hidden, value_dim),
+            }
+    return shapes
+
+
 def lfm2_weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """HF LFM2 parameter names and shapes for `config` (sglang's load_weights maps them, and
     skips a name it does not know: lfm2.py:751)."""
@@ -165,6 +255,7 @@ MODELS: dict[str, Family] = {
     "dense": Family(DENSE_LLAMA, llama_weight_shapes, []),
     "hybrid": Family(HYBRID_QWEN3_5, None, ["--load-format", "dummy", "--max-mamba-cache-size", "32"]),
     "lfm2": Family(HYBRID_LFM2, lfm2_weight_shapes, []),
+    "gdn": Family(HYBRID_GDN, gdn_weight_shapes, []),
 }
 
 

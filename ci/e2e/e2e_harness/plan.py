@@ -22,7 +22,7 @@ from packaging.version import Version
 from sglang_carry.errors import CarryError
 
 from .models import MODELS
-from .scenarios import HICACHE, LFM2, MAX_TOTAL_TOKENS, NATURAL, Scenario
+from .scenarios import GDN, HICACHE, LFM2, MAX_TOTAL_TOKENS, NATURAL, Scenario
 from .server import CPU_FLAGS, CPU_STANDINS, ROOT, cpu_env
 from .verdicts import COMPARING, CONTROL, PATCHED, PRISTINE, RECOMPUTE, WITHOUT_LOAD_WAIT
 
@@ -169,10 +169,35 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-lfm2-control", CONTROL, scenario=LFM2), PATCHED),
     (two_ranks("tp2-lfm2-pristine", PRISTINE, miss_ranks=(1,), scenario=LFM2), PRISTINE),
     (two_ranks("tp2-lfm2-patched", PATCHED, miss_ranks=(1,), scenario=LFM2), PATCHED),
+    # The gated-delta-net hybrid (GDN: Qwen3.5's text model; its Mamba state has a non-empty
+    # temporal part, the delta rule's matrix), as LFM2's runs. Nightly only (GDN.in_default_run).
+    (RunSpec("gdn-control", CONTROL, scenario=GDN), PATCHED),
+    (RunSpec("gdn-recompute", RECOMPUTE, scenario=GDN), PATCHED),
+    (RunSpec("gdn-pristine", PRISTINE, scenario=GDN), PRISTINE),
+    (RunSpec("gdn-patched", PATCHED, scenario=GDN), PATCHED),
+    (RunSpec("gdn-without-load-wait", WITHOUT_LOAD_WAIT, scenario=GDN), WITHOUT_LOAD_WAIT),
+    (two_ranks("tp2-gdn-control", CONTROL, scenario=GDN), PATCHED),
+    (two_ranks("tp2-gdn-pristine", PRISTINE, miss_ranks=(1,), scenario=GDN), PRISTINE),
+    (two_ranks("tp2-gdn-patched", PATCHED, miss_ranks=(1,), scenario=GDN), PATCHED),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
+# What `--runs` left out runs (./scripts/test): the runs of every scenario in the default run.
+CPU_DEFAULT_RUNS = tuple(spec.name for spec, _ in CPU_PLAN if spec.scenario.in_default_run)
+# `--runs all`: every run the line has (the nightly).
+ALL_RUNS = "all"
 CPU_MODEL_OF = {spec.name: spec.scenario.model for spec, _ in CPU_PLAN}
 CPU_MODELS = tuple(dict.fromkeys(CPU_MODEL_OF.values()))
+
+
+def chosen_runs(runs: str | None, models: str | None) -> list[str]:
+    """The runs `--runs` names (`all`: every run); without it the default run's, and every run of
+    a model `--models` names (its runs are what was asked for, in the default run or not)."""
+    if runs == ALL_RUNS:
+        return list(CPU_RUNS)
+    if runs is not None:
+        return [name for name in runs.split(",") if name]
+    named = {m for m in models.split(",") if m} if models is not None else set()
+    return [name for name in CPU_RUNS if name in CPU_DEFAULT_RUNS or CPU_MODEL_OF[name] in named]
 
 
 def runs_not_on_line(names: Sequence[str], version: str) -> dict[str, str]:
@@ -238,11 +263,12 @@ class PlanError(Exception):
 def plan_cpu(
     runs: str | None, models: str | None, upstream: str | None, out: Path, env: dict[str, str]
 ) -> Prepared:
-    """`--runs` of CPU_PLAN (default: all the line has) for `--models`, on the line `upstream`
-    as cpu_line.py prepares it."""
-    names = [n for n in (runs or ",".join(CPU_RUNS)).split(",") if n]
-    unknown = sorted(set(names) - set(CPU_RUNS))
+    """`--runs` of CPU_PLAN for `--models`, on the line `upstream` as cpu_line.py prepares it.
+    Without `--runs`: the default run's (CPU_DEFAULT_RUNS) and every run of a model `--models`
+    names; `--runs all`: every run. Either way only those the line has."""
     chosen_models = [m for m in (models or ",".join(CPU_MODELS)).split(",") if m]
+    names = chosen_runs(runs, models)
+    unknown = sorted(set(names) - set(CPU_RUNS))
     unknown_models = sorted(set(chosen_models) - set(CPU_MODELS))
     if unknown or unknown_models:
         what = f"unknown run(s) {', '.join(unknown)}" if unknown else f"--models {models}"
@@ -256,7 +282,7 @@ def plan_cpu(
     try:
         line = cpu_line.prepare(upstream, out)
         absent = runs_not_on_line(names, line.version)
-        if absent and runs is not None:
+        if absent and runs not in (None, ALL_RUNS):
             what = "; ".join(f"{name} {why}" for name, why in absent.items())
             raise PlanError(f"--runs: {what} (the line is {line.version}): leave it out")
         specs = cpu_specs(line, out, [name for name in names if name not in absent])

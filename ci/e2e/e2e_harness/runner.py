@@ -68,6 +68,8 @@ def run_once(
         env["CARRY_E2E_RANK_LOCAL"] = "1"
     if scenario.mamba_state:
         env["CARRY_E2E_MAMBA"] = "1"
+    if scenario.gdn_kernels:
+        env["CARRY_E2E_GDN"] = "1"
     if spec.miss_at != "prefill":
         env["CARRY_E2E_MISS_AT"] = spec.miss_at
     if spec.withheld_tokens:

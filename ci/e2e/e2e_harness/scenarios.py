@@ -2,7 +2,8 @@
 while a HiCache load is in flight), NATURAL (upstream's own allocation miss, no hook) and LFM2
 (the hybrid LFM2 under HICACHE's pool, its Mamba state loaded back). Each names its flags, its
 traffic (a planner of traffic.py), where its misses come from, its model and the first sglang
-line it can run on. A new kind of run is a Scenario here and its rows in plan.CPU_PLAN."""
+line it can run on; GDN is the gated-delta-net hybrid under LFM2's pool and traffic. A new kind
+of run is a Scenario here and its rows in plan.CPU_PLAN."""
 
 from __future__ import annotations
 
@@ -100,6 +101,11 @@ class Scenario:
     # The model has a Mamba state: a control must load some back from host, and a patched run
     # must land no load copy in a Mamba slot after that slot was released.
     mamba_state: bool = False
+    # The model is a gated delta net: its servers load the GDN stand-ins (ci/e2e/cpu/carry_e2e_gdn.py).
+    gdn_kernels: bool = False
+    # Its runs are in the default run (./scripts/test); else only where asked for: `--runs all`
+    # (the nightly), `--models` naming its model, or `--runs` naming them.
+    in_default_run: bool = True
 
     def keys(self) -> set[str]:
         return {request.key for wave in self.plan() for request in wave}
@@ -141,4 +147,24 @@ LFM2 = Scenario(
     mamba_state=True,
     first_line="0.5.20",
     recompute_flags=("--disable-radix-cache", *SMALL_POOL_FLAGS, "--max-mamba-cache-size", "16"),
+)
+# The gated-delta-net hybrid (Qwen3.5's text model) under LFM2's flags and traffic: its Mamba state
+# is the conv state and the delta rule's float32 matrix, both backed up to host and loaded back.
+# Its eight runs take about as long as LFM2's (25-80 s each, about 6 minutes on 2 cores), which
+# would take ./scripts/test from about 22 to about 28 of its 35 minutes: they run in the nightly
+# (every line), not in the default run.
+GDN = Scenario(
+    "gdn",
+    LFM2_FLAGS,
+    LFM2_FLAGS,
+    plan_growing_traffic,
+    CONCURRENCY,
+    True,
+    True,
+    model="gdn",
+    mamba_state=True,
+    gdn_kernels=True,
+    first_line="0.5.20",
+    recompute_flags=LFM2.recompute_flags,
+    in_default_run=False,
 )

@@ -36,7 +36,8 @@ scheduler's event loop died with, if it did (type, message, where it was raised)
 CARRY_E2E_COUNTERS_DIR/<pid>.json, rewritten (atomically) on every change, so they survive a
 killed server. With CARRY_E2E_CPU=1 the CPU stand-ins (ci/e2e/cpu/carry_e2e_cpu.py) are
 installed too, and with CARRY_E2E_MAMBA=1 as well the hybrid model's (carry_e2e_mamba.py), whose
-Mamba load copies (landed, and landed after their slot's release) are saved with the counters.
+Mamba load copies (landed, and landed after their slot's release) are saved with the counters;
+with CARRY_E2E_GDN=1 besides, the gated-delta-net model's (carry_e2e_gdn.py).
 """
 
 from __future__ import annotations
@@ -581,6 +582,12 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
         if env.get("CARRY_E2E_MAMBA") == "1":
             import carry_e2e_mamba  # beside carry_e2e_cpu
 
+            if env.get("CARRY_E2E_GDN") == "1":
+                import carry_e2e_gdn  # beside carry_e2e_mamba
+
+                # First: the names it binds are then not taken for import-time placeholders.
+                carry_e2e_gdn.install()
+                patches |= carry_e2e_gdn.PATCHES
             carry_e2e_mamba.install_import_time_names()
             patches |= carry_e2e_mamba.PATCHES
             injector.watch(
