@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "ci" / "e2e"))
 sys.path.insert(0, str(ROOT / "ci" / "e2e" / "hook"))
 import run_e2e  # noqa: E402
 import sitecustomize as hook  # noqa: E402
-from e2e_harness import traffic  # noqa: E402
+from e2e_harness import plan, traffic  # noqa: E402
 from e2e_harness.models import DENSE_LLAMA, HYBRID_GDN, MODELS, llama_weight_shapes, write_models  # noqa: E402
 from e2e_harness.plan import (  # noqa: E402
     ALL_RUNS,
@@ -300,8 +300,8 @@ def test_a_drift_run_fails_when_the_reading_did_not_drift(
 
 
 def test_the_drift_and_delayer_runs_compare_with_the_tp2_control() -> None:
-    plan = {spec.name: spec for spec, _ in CPU_PLAN}
-    drift, delayer = plan["tp2-drift"], plan["tp2-delayer"]
+    specs = {spec.name: spec for spec, _ in CPU_PLAN}
+    drift, delayer = specs["tp2-drift"], specs["tp2-delayer"]
     assert drift.withheld_drift and drift.withheld_tokens > 0 and drift.withhold_ranks == (0,)
     assert "--enable-prefill-delayer" in delayer.server_flags and delayer.withheld_tokens > 0
     for spec in (drift, delayer):
@@ -840,19 +840,21 @@ def test_lfm2_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference
 GDN_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is GDN}
 
 
-def test_the_gdn_runs_are_nightly_only_with_their_controls() -> None:
+def test_the_gdn_runs_are_in_the_default_run_with_their_controls(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(GDN_SPECS) == {
         *(f"gdn-{kind}" for kind in ("control", "recompute", "pristine", "patched", "without-load-wait")),
         *(f"tp2-gdn-{kind}" for kind in ("control", "pristine", "patched")),
     }
     assert {spec.control_name for spec in GDN_SPECS.values()} == {"gdn-control", "tp2-gdn-control"}
-    assert GDN.gdn_kernels and GDN.mamba_state and not GDN.in_default_run
-    assert not set(GDN_SPECS) & set(CPU_DEFAULT_RUNS)
-    assert set(CPU_DEFAULT_RUNS) == set(CPU_RUNS) - set(GDN_SPECS)  # every other run stays in the default
-    assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS)  # ./scripts/test
-    assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)  # the nightly
-    assert set(chosen_runs(None, "gdn")) == set(CPU_DEFAULT_RUNS) | set(GDN_SPECS)  # then kept to gdn
+    assert GDN.gdn_kernels and GDN.mamba_state and GDN.in_default_run
+    assert CPU_DEFAULT_RUNS == CPU_RUNS  # every run of every family: ./scripts/test and the nightly
+    assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS) == chosen_runs(ALL_RUNS, None)
     assert chosen_runs("gdn-control,gdn-patched", None) == ["gdn-control", "gdn-patched"]
+    # A family kept out of the default run (in_default_run False) runs only when asked for.
+    monkeypatch.setattr(plan, "CPU_DEFAULT_RUNS", tuple(set(CPU_RUNS) - set(GDN_SPECS)))
+    assert not set(chosen_runs(None, None)) & set(GDN_SPECS)
+    assert set(chosen_runs(None, "gdn")) == set(CPU_RUNS)  # the default run's, and gdn's
+    assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)
     assert GDN.first_line == "0.5.20" and runs_not_on_line(list(GDN_SPECS), "0.5.20") == {}
 
 

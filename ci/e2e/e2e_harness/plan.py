@@ -170,7 +170,7 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-lfm2-pristine", PRISTINE, miss_ranks=(1,), scenario=LFM2), PRISTINE),
     (two_ranks("tp2-lfm2-patched", PATCHED, miss_ranks=(1,), scenario=LFM2), PATCHED),
     # The gated-delta-net hybrid (GDN: Qwen3.5's text model; its Mamba state has a non-empty
-    # temporal part, the delta rule's matrix), as LFM2's runs. Nightly only (GDN.in_default_run).
+    # temporal part, the delta rule's matrix), as LFM2's runs.
     (RunSpec("gdn-control", CONTROL, scenario=GDN), PATCHED),
     (RunSpec("gdn-recompute", RECOMPUTE, scenario=GDN), PATCHED),
     (RunSpec("gdn-pristine", PRISTINE, scenario=GDN), PRISTINE),

@@ -166,5 +166,4 @@ GDN = Scenario(
     gdn_kernels=True,
     first_line="0.5.20",
     recompute_flags=LFM2.recompute_flags,
-    in_default_run=False,
 )
