@@ -25,7 +25,11 @@ sys.path.insert(0, str(ROOT / "ci" / "e2e"))
 sys.path.insert(0, str(ROOT / "ci" / "e2e" / "hook"))
 import run_e2e  # noqa: E402
 import sitecustomize as hook  # noqa: E402
-from e2e_harness import plan, traffic  # noqa: E402
+from e2e_harness import (  # noqa: E402
+    plan,
+    runner,
+    traffic,
+)
 from e2e_harness.models import DENSE_LLAMA, HYBRID_GDN, MODELS, llama_weight_shapes, write_models  # noqa: E402
 from e2e_harness.plan import (  # noqa: E402
     ALL_RUNS,
@@ -33,6 +37,7 @@ from e2e_harness.plan import (  # noqa: E402
     CPU_MODELS,
     CPU_PLAN,
     CPU_RUNS,
+    ModelPlan,
     RunSpec,
     chosen_runs,
     runs_not_on_line,
@@ -635,6 +640,37 @@ def test_server_that_never_gets_healthy(tmp_path: Path) -> None:
     command = [sys.executable, "-c", "print('Out of memory at start-up'); raise SystemExit(3)"]
     run, _ = run_once("dense", PATCHED, command, tmp_path, dict(os.environ), [], {}, port, 10)
     assert not run.started and not run.ok and run.failed == traffic.GROUPS * traffic.ROUNDS
+
+
+def test_a_server_whose_port_was_taken_is_not_waited_for(tmp_path: Path) -> None:
+    # As uvicorn reports it, and then the server stays up without serving (seen: 12 minutes).
+    taken = "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): in use"
+    command = [sys.executable, "-c", f"print({taken!r}, flush=True); import time; time.sleep(60)"]
+    started = time.monotonic()
+    run, _ = run_once("dense", PATCHED, command, tmp_path, dict(os.environ), [], {}, free_port(), 30)
+    assert run.port_taken and not run.started and time.monotonic() - started < 20
+    assert run.verdict == "the server could not bind its HTTP port (taken since it was chosen)"
+
+
+def test_a_run_whose_port_was_taken_starts_again_on_another_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ports: list[int] = []
+
+    def run_once(model: str, spec: Any, command: list[str], *args: Any, **kwargs: Any) -> Any:
+        ports.append(args[-1])
+        run = Run(model, spec.name, spec.kind, started=len(ports) == 2, port_taken=len(ports) == 1)
+        return run, []
+
+    monkeypatch.setattr(runner, "run_once", run_once)
+    model_plan = ModelPlan("dense", [], [PATCHED], [], sys.executable)
+    (run,) = runner.run_plans([model_plan], {"dense": tmp_path}, tmp_path, {})
+    assert run.started and len(ports) == 2 and ports[0] != ports[1]
+    assert "was taken before the server bound it; again" in capsys.readouterr().out
+    ports.clear()
+    monkeypatch.setattr(runner, "PORT_ATTEMPTS", 1)
+    (run,) = runner.run_plans([model_plan], {"dense": tmp_path}, tmp_path, {})
+    assert run.port_taken and len(ports) == 1  # attempts are bounded
 
 
 def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:

@@ -24,6 +24,10 @@ STARTUP_TIMEOUT_S = 900
 UNWIND_LOG = re.compile(r"Prefill allocation (missed|diverged across ranks); unwound")
 
 
+# Servers started for one run when each finds its HTTP port taken (a race, not the run's outcome).
+PORT_ATTEMPTS = 3
+
+
 def run_once(
     model: str,
     spec: RunSpec,
@@ -90,6 +94,7 @@ def run_once(
     outcomes: list[Outcome] = []
     try:
         run.started = server.wait_healthy(startup_timeout_s)
+        run.port_taken = not run.started and server.port_taken()
         if run.started:
             deadline = time.monotonic() + run_timeout_s
             outcomes = drive(
@@ -132,24 +137,30 @@ def run_plans(
     for plan in plans:
         controls: dict[str, dict[str, list[int]]] = {}
         for spec in plan.specs:
-            port = free_port()
             flags = [*plan.flags, *(["--tp-size", str(spec.tp)] if spec.tp > 1 else []), *spec.server_flags]
-            command = server_command(
-                plan.python, model_dirs[plan.model], port, flags, spec.server_flags_of_scenario()
-            )
             control = controls.get(spec.control_name) if spec.kind != CONTROL else None
-            run, outcomes = run_once(
-                plan.model,
-                spec,
-                command,
-                out,
-                env,
-                plan.pythonpath,
-                control,
-                port,
-                run_timeout_s=run_timeout_s,
-                request_timeout_s=request_timeout_s,
-            )
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                port = free_port()
+                command = server_command(
+                    plan.python, model_dirs[plan.model], port, flags, spec.server_flags_of_scenario()
+                )
+                run, outcomes = run_once(
+                    plan.model,
+                    spec,
+                    command,
+                    out,
+                    env,
+                    plan.pythonpath,
+                    control,
+                    port,
+                    run_timeout_s=run_timeout_s,
+                    request_timeout_s=request_timeout_s,
+                )
+                if not run.port_taken or attempt == PORT_ATTEMPTS:
+                    break
+                print(
+                    f"e2e: {plan.model} {spec.name}: port {port} was taken before the server bound it; again"
+                )
             if spec.kind == CONTROL:
                 controls[spec.name] = {o.key: o.output_ids for o in outcomes if o.ok}
             runs.append(run)

@@ -29,6 +29,11 @@ HOST = "127.0.0.1"
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native"]
 
 
+# uvicorn's line when the server's HTTP port was taken between free_port() and the server binding
+# it (sglang's own processes pick their ports meanwhile); the server then never serves.
+PORT_TAKEN = "error while attempting to bind on address"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -90,7 +95,7 @@ class Server:
     def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.alive():
+            if not self.alive() or self.port_taken():
                 return False
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
@@ -100,6 +105,9 @@ class Server:
                 pass
             time.sleep(poll_s)
         return False
+
+    def port_taken(self) -> bool:
+        return PORT_TAKEN in self.log.read_text(errors="replace")
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.process.poll() is None:

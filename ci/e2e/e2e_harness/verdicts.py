@@ -40,6 +40,8 @@ class Run:
     # HiCache's L3 tier on (the file backend): its prefetches must have served some prompt.
     l3_storage: bool = False
     started: bool = False
+    # The server could not bind its HTTP port (taken after it was chosen): the run is started again.
+    port_taken: bool = False
     finished: int = 0
     failed: int = 0
     hung: bool = False
@@ -159,7 +161,9 @@ def judge(
     every_rank = [str(rank) for rank in range(run.tp)]
     unwound_everywhere = all(run.recoveries.get(rank, 0) > 0 for rank in every_rank)
     prefetches_checked_everywhere = all(run.prefetch_termination_checks.get(rank, 0) for rank in every_rank)
-    if not run.started:
+    if not run.started and run.port_taken:
+        run.ok, run.verdict = False, "the server could not bind its HTTP port (taken since it was chosen)"
+    elif not run.started:
         run.ok, run.verdict = False, "the server never became healthy"
     elif scenario.injects and run.kind in INJECTING and run.injected_misses == 0:
         run.ok, run.verdict = (
