@@ -41,20 +41,24 @@ WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 4
 DRIFT_WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 8
 # tp2-l3: HiCache's L3 tier (the file backend), its prefetches stopped by the `timeout` policy,
 # whose termination check is an all-reduce inside admission (unified_radix_cache.py:2295-2312 in
-# 0.5.23, `_can_terminate_prefetch`). A host pool of twice the device pool (2048 tokens) is smaller
-# than one wave's prompts (8 x 272), so a later wave finds its early prefixes evicted from host and
-# prefetches them from the files while the ranks' readings drift.
+# 0.5.23, `_can_terminate_prefetch`). The host pool (1.25 x the device pool, 1280 tokens) holds
+# fewer than five of a wave's eight 256-token prefixes, so every later wave finds at least three
+# of them only in the files and prefetches them while the ranks' readings drift. (With twice the
+# device pool, 2048 tokens, the host held all eight prefixes in runs on a busy machine, and
+# nothing was read from the files.)
 L3_FLAGS = (
     "--hicache-storage-backend",
     "file",
     "--hicache-storage-prefetch-policy",
     "timeout",
     "--hicache-ratio",
-    "2",
+    "1.25",
     # Prefetch whatever the host misses (the default threshold, 256 tokens, skips a prompt whose
-    # prefix is still partly on host).
+    # prefix is still partly on host), and give a prefetch 30 s rather than 1 s: the file backend
+    # reads a file per token (page size 1), and on a busy 2-core machine every prefetch outran
+    # the default budget, so its `timeout` cut it before anything was read.
     "--hicache-storage-backend-extra-config",
-    '{"prefetch_threshold": 16}',
+    '{"prefetch_threshold": 16, "prefetch_timeout_base": 30}',
 )
 
 
