@@ -44,7 +44,14 @@ from e2e_harness.plan import (  # noqa: E402
     runs_without_their_control,
 )
 from e2e_harness.runner import run_once  # noqa: E402
-from e2e_harness.scenarios import GDN, LFM2, MAX_TOTAL_TOKENS, NATURAL  # noqa: E402
+from e2e_harness.scenarios import (  # noqa: E402
+    GDN,
+    LFM2,
+    MAX_TOTAL_TOKENS,
+    NATURAL,
+    NATURAL_HICACHE,
+    NATURAL_ROOMY_POOL_TOKENS,
+)
 from e2e_harness.server import CPU_FLAGS, HOOK, Server, free_port, server_command  # noqa: E402
 from e2e_harness.verdicts import Run, judge  # noqa: E402
 
@@ -815,6 +822,42 @@ def test_a_run_names_each_request_whose_output_differs_with_its_unwinds(
     assert "(1 differ, each with its unwinds: {'long': 2})" in run.verdict
 
 
+NATURAL_HICACHE_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is NATURAL_HICACHE}
+
+
+def test_the_natural_runs_with_hicache_have_the_host_tier_on_and_a_roomy_control() -> None:
+    assert set(NATURAL_HICACHE_SPECS) == {
+        f"natural-hicache-{kind}" for kind in ("control", "pristine", "patched")
+    }
+    for spec in NATURAL_HICACHE_SPECS.values():
+        flags = spec.server_flags_of_scenario()
+        assert flags[flags.index("--hicache-write-policy") + 1] == "write_through", spec.name
+        assert "--enable-hierarchical-cache" in flags and spec.control_name == "natural-hicache-control"
+    control = NATURAL_HICACHE_SPECS["natural-hicache-control"].server_flags_of_scenario()
+    assert control[control.index("--max-total-tokens") + 1] == str(NATURAL_ROOMY_POOL_TOKENS)
+    # the nightly's (`--runs all`), not ./scripts/test's
+    assert not set(NATURAL_HICACHE_SPECS) & set(CPU_DEFAULT_RUNS)
+    assert set(NATURAL_HICACHE_SPECS) <= set(chosen_runs("all", None))
+
+
+def test_a_natural_hicache_run_whose_decode_retraction_aborted_a_request_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The 500 that upstream's decode retraction gave a short request while the unwound chunk was
+    parked (before series entry 0014) fails the run, though its outputs and unwinds are fine."""
+    monkeypatch.setattr(traffic, "NATURAL_SHORT_REQUESTS", 1)
+    run = Run("dense", "natural-hicache-patched", "patched", scenario="natural-hicache", started=True)
+    run.unwinds, run.unwound_requests = {"0": 1}, {"long": 1}
+    aborted = traffic.Outcome("short.0", False, error="HTTPError: HTTP Error 500: Internal Server Error")
+    judge(
+        run,
+        [traffic.Outcome("long", True, [1, 2]), aborted],
+        {"long": [1, 2], "short.0": [3]},
+        NATURAL_HICACHE,
+    )
+    assert not run.ok and run.failed == 1 and run.verdict.startswith("1 failed"), run.verdict
+
+
 def test_a_line_without_the_natural_mechanism_runs_without_the_natural_runs() -> None:
     names = ["control", "natural-control", "tp2-natural-patched"]
     reason = "needs sglang 0.5.21 or newer (natural)"
@@ -883,13 +926,17 @@ def test_the_gdn_runs_are_in_the_default_run_with_their_controls(monkeypatch: py
     }
     assert {spec.control_name for spec in GDN_SPECS.values()} == {"gdn-control", "tp2-gdn-control"}
     assert GDN.gdn_kernels and GDN.mamba_state and GDN.in_default_run
-    assert CPU_DEFAULT_RUNS == CPU_RUNS  # every run of every family: ./scripts/test and the nightly
-    assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS) == chosen_runs(ALL_RUNS, None)
+    # every run of every family in ./scripts/test and the nightly, but the nightly's natural-hicache
+    nightly_only = {spec.name for spec, _ in CPU_PLAN if not spec.scenario.in_default_run}
+    assert nightly_only == {f"natural-hicache-{kind}" for kind in ("control", "pristine", "patched")}
+    assert set(CPU_DEFAULT_RUNS) == set(CPU_RUNS) - nightly_only
+    assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS)
+    assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)
     assert chosen_runs("gdn-control,gdn-patched", None) == ["gdn-control", "gdn-patched"]
     # A family kept out of the default run (in_default_run False) runs only when asked for.
     monkeypatch.setattr(plan, "CPU_DEFAULT_RUNS", tuple(set(CPU_RUNS) - set(GDN_SPECS)))
     assert not set(chosen_runs(None, None)) & set(GDN_SPECS)
-    assert set(chosen_runs(None, "gdn")) == set(CPU_RUNS)  # the default run's, and gdn's
+    assert set(chosen_runs(None, "gdn")) == set(CPU_RUNS)  # the (patched) default run's, and gdn's
     assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)
     assert GDN.first_line == "0.5.20" and runs_not_on_line(list(GDN_SPECS), "0.5.20") == {}
 

@@ -22,7 +22,7 @@ from packaging.version import Version
 from sglang_carry.errors import CarryError
 
 from .models import MODELS
-from .scenarios import GDN, HICACHE, LFM2, MAX_TOTAL_TOKENS, NATURAL, Scenario
+from .scenarios import GDN, HICACHE, LFM2, MAX_TOTAL_TOKENS, NATURAL, NATURAL_HICACHE, Scenario
 from .server import CPU_FLAGS, CPU_STANDINS, ROOT, cpu_env
 from .verdicts import COMPARING, CONTROL, PATCHED, PRISTINE, RECOMPUTE, WITHOUT_LOAD_WAIT
 
@@ -60,6 +60,11 @@ L3_FLAGS = (
     "--hicache-storage-backend-extra-config",
     '{"prefetch_threshold": 16, "prefetch_timeout_base": 30}',
 )
+
+
+# natural-hicache: each HiCache copy lands this late (the CPU stand-in's delay; 0.05 s elsewhere),
+# so the prompts' write-through copies are still in flight when the pool fills.
+SLOW_COPIES = (("CARRY_E2E_COPY_DELAY_S", "0.3"),)
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,15 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-natural-control", CONTROL, scenario=NATURAL), PATCHED),
     (two_ranks("tp2-natural-pristine", PRISTINE, scenario=NATURAL), PRISTINE),
     (two_ranks("tp2-natural-patched", PATCHED, scenario=NATURAL), PATCHED),
+    # The same with HiCache on (NATURAL_HICACHE): while the unwound chunk is parked, the short
+    # requests decode in a full pool whose prompts are locked by their host copies; every request
+    # must finish (no 500 from the decode retraction), outputs equal to the roomy control's.
+    (RunSpec("natural-hicache-control", CONTROL, scenario=NATURAL_HICACHE, extra_env=SLOW_COPIES), PATCHED),
+    (
+        RunSpec("natural-hicache-pristine", PRISTINE, scenario=NATURAL_HICACHE, extra_env=SLOW_COPIES),
+        PRISTINE,
+    ),
+    (RunSpec("natural-hicache-patched", PATCHED, scenario=NATURAL_HICACHE, extra_env=SLOW_COPIES), PATCHED),
     # The hybrid LFM2 (LFM2: its conv state backed up to host and loaded back): the control's
     # outputs equal a run that recomputes every prompt; the miss is injected as for the dense
     # model; the series without its load wait shows the seed's hazard, counted by the copies that
