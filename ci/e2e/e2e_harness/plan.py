@@ -34,10 +34,11 @@ from .verdicts import COMPARING, CONTROL, PATCHED, PRISTINE, RECOMPUTE, WITHOUT_
 # sees 464. 768 still holds one request, so one rank alone could always make progress.
 WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 4
 # tp2-drift and tp2-delayer: an eighth of the pool, drifting between none and all of it. The
-# agreement takes the least reading, so a quarter would leave the ledger at 768 almost always,
-# where upstream's decode retraction sometimes gains nothing (write-through backups still lock the
-# retracted requests' nodes) and aborts its last request with a 500 (upstream's mechanism, not a
-# rank disagreement); an eighth keeps these runs about the readings' drift, not that.
+# agreement takes the least reading, so a quarter would leave the ledger at 768 almost always;
+# there, before series entry 0014, upstream's decode retraction sometimes gained nothing
+# (write-through backups still locked the retracted requests' nodes) and aborted its last request
+# with a 500 (upstream's mechanism, not a rank disagreement; tp2-uneven, at a quarter, now shows
+# that 0014 ends it). An eighth keeps these runs about the readings' drift.
 DRIFT_WITHHELD_TOKENS = MAX_TOTAL_TOKENS // 8
 # tp2-l3: HiCache's L3 tier (the file backend), its prefetches stopped by the `timeout` policy,
 # whose termination check is an all-reduce inside admission (unified_radix_cache.py:2295-2312 in
