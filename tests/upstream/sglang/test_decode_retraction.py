@@ -25,10 +25,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import scheduler_harness as sh
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache import common
 from test_prefill_unwind import _prompt
+from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
 
 PROMPT_TOKENS = 100
 # Two prompts and a little room for their decode: admission takes both.
@@ -53,24 +55,32 @@ def _decoding(kv_tokens: int) -> Iterator[tuple[sh.Harness, ScheduleBatch]]:
     """Two requests prefilled and decoding, their prompts in the tree with their host backups in
     flight (the copies' events stay pending until waited on)."""
     with sh.build_harness(hicache=True, auto_complete_events=False, kv_tokens=kv_tokens) as h:
-        sched = h.scheduler
-        sched.enable_skip_finishing_decode = False
-        sched.decode_offload_manager = None
-        for i in range(2):
-            h.add_request(_prompt(i, PROMPT_TOKENS))
-        batch = h.run_round()
-        assert batch is not None and len(batch.reqs) == 2
-        for req in batch.reqs:
-            req.output_ids.append(7)
-            _checkpoint_prompt(h, req)
-        sched.running_batch = batch
-        assert h.tree_cache.ongoing_write_through, "the backups must still be in flight"
-        yield h, batch
+        yield h, _start_decoding(h)
 
 
-def _fill_with_a_finished_prefix(h: sh.Harness) -> None:
-    """A finished request's prefix takes the rest of the pool, its backup in flight too."""
-    free = h.token_to_kv_pool_allocator.available_size()
+def _start_decoding(h: sh.Harness) -> ScheduleBatch:
+    """Two requests prefilled and decoding (the real admission and prefill round), their prompts
+    put in the tree as the result processor does, which starts their host backups."""
+    sched = h.scheduler
+    sched.enable_skip_finishing_decode = False
+    sched.decode_offload_manager = None
+    for i in range(2):
+        h.add_request(_prompt(i, PROMPT_TOKENS))
+    batch = h.run_round()
+    assert batch is not None and len(batch.reqs) == 2
+    for req in batch.reqs:
+        req.output_ids.append(7)
+        _checkpoint_prompt(h, req)
+    sched.running_batch = batch
+    assert h.tree_cache.ongoing_write_through, "the backups must still be in flight"
+    return batch
+
+
+def _fill_with_a_finished_prefix(h: sh.Harness, left_free: int = 0) -> None:
+    """A finished request's prefix takes the rest of the pool but `left_free` tokens, its backup
+    in flight too (sized from the free space every rank counts alike)."""
+    allocator = h.token_to_kv_pool_allocator
+    free = getattr(allocator, "uniform_available_size", allocator.available_size)() - left_free
     h.cache_prefix(list(range(FILLER_START, FILLER_START + free)))
 
 
@@ -107,3 +117,33 @@ def test_a_step_that_fits_waits_for_no_copy() -> None:
         step = _decode_step(h, batch)
     assert step["backups_in_flight"] == in_flight
     assert len(step["kept"]) == 2
+
+
+def _behind_backups_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Both ranks: a rank-local pool, two requests decoding, a finished prefix filling the pool
+    but one token (one less than the step needs), every backup in flight; rank 0's real reading
+    drifts at every read (a co-tenant's 0-4 tokens, as kvcached's cached reading drifts). The
+    ranks must decide alike: wait, evict the prefix, decode both."""
+    batch = _start_decoding(h)
+    _fill_with_a_finished_prefix(h, left_free=1)
+    if rank == 0:
+        assert h.physical is not None
+        h.physical.drift(_drifting(0))
+    step = _decode_step(h, batch)
+    step["uniform_free"] = h.token_to_kv_pool_allocator.uniform_available_size()
+    return step
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    name = "tp_behind_backups_with_drift"
+    config = {"hicache": True, "auto_complete_events": False}
+    return run_two_ranks([name], {name: _behind_backups_with_drift}, {name: KV_TOKENS}, {name: config})
+
+
+def test_two_ranks_whose_readings_drift_wait_and_evict_alike(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_behind_backups_with_drift")
+    assert ranks[0] == ranks[1]  # kept, retracted, aborted, copies in flight, free space: alike
+    r = ranks[0]
+    assert r["aborted"] == [] and r["retracted"] == [] and len(r["kept"]) == 2
+    assert r["backups_in_flight"] == 0

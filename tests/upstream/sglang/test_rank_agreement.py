@@ -254,7 +254,10 @@ def _groups(topology: Topology, rank: int, world: Any, pair: Any, singles: list[
 
 
 def _rank_body(
-    names: list[str], scenarios: Mapping[str, MultiRoundScenario], kv_tokens: Mapping[str, int]
+    names: list[str],
+    scenarios: Mapping[str, MultiRoundScenario],
+    kv_tokens: Mapping[str, int],
+    configs: Mapping[str, Mapping[str, Any]],
 ) -> Any:
     """One rank: every group built by both ranks in the same order, then the named scenarios."""
 
@@ -270,6 +273,7 @@ def _rank_body(
                 chunk: dict[str, Any] = {"chunked_prefill_size": CHUNK} if name in CHUNKED_SCENARIOS else {}
                 if name in kv_tokens:
                     chunk["kv_tokens"] = kv_tokens[name]
+                chunk.update(configs.get(name, {}))
                 with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
                     return scenarios[name](h, rank)
             scenario = RANK_SCENARIOS[name]
@@ -307,15 +311,18 @@ def run_two_ranks(
     names: list[str],
     scenarios: Mapping[str, MultiRoundScenario] | None = None,
     kv_tokens: Mapping[str, int] | None = None,
+    configs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> TwoRanks:
     """Run the named scenarios on two forked gloo ranks: RANK_SCENARIOS, and multi-round ones
-    from `scenarios` (this module's by default), built with `kv_tokens` where named."""
+    from `scenarios` (this module's by default), built with `kv_tokens` and the harness options
+    of `configs` where named."""
     with sh.build_harness():  # import sglang's model registry once, before forking
         pass
     body = _rank_body(
         names,
         MULTI_ROUND_SCENARIOS if scenarios is None else scenarios,
         KV_TOKENS if kv_tokens is None else kv_tokens,
+        configs or {},
     )
     results, errors = forked_ranks.run_forked_ranks(
         body, ranks=RANKS, timeout_s=RANK_TIMEOUT_S, collective_timeout_s=30
