@@ -16,7 +16,8 @@ their completion events a fake device's that stay pending until waited on.
 
 Expected: the first test FAILS without the patch (one request retracted, the other aborted) and
 PASSES with it; the second pins what the patch must leave alone (a step that fits waits for
-nothing).
+nothing); the third, on two gloo ranks with rank 0's reading drifting, FAILS without the patch (a
+request retracted on both ranks) and PASSES with it, both ranks deciding alike.
 """
 
 from __future__ import annotations
