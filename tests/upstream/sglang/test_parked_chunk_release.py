@@ -1,0 +1,189 @@
+"""A decode step that cannot fit even its last request releases a parked chunked request first
+(series entry "Scheduler: a decode step that cannot fit its last request releases a parked
+chunked request").
+
+A chunked request whose next chunk missed is put back and parked: it keeps its row and the tree
+lock on the chunks it computed while the running requests decode. When they fill the pool,
+upstream's retraction takes every request but one and then aborts that one with "Out of memory
+even after retracting all other requests" (HTTP 500), although the pool's only other KV is the
+parked chunk's, which is making no progress. With the patch the step releases the parked chunk
+instead (its row and lock; it is queued as a retracted request and admitted again later), and
+decodes. Where retraction alone makes room, the chunk stays parked, as upstream would keep it.
+
+Expected: the first test FAILS without the patch (the decoding request aborted, the chunk still
+parked) and PASSES with it; the second pins what the patch must leave alone (it passes either
+way); the third, on two gloo ranks with rank 0's reading drifting, FAILS without the patch and
+PASSES with it, both ranks deciding alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import scheduler_harness as sh
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from test_decode_retraction import _checkpoint_prompt
+from test_prefill_unwind import CHUNK, MAMBA, _prompt
+from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
+
+SHORT_TOKENS = 30  # two fit in one chunk
+LONG_TOKENS = 100  # two chunks
+# Admission reserves a new request's whole prompt and the running requests' decode (at the
+# initial new-token ratio): room for both, then the short requests' decode fills the rest.
+KV_TOKENS = 400
+DECODE_STEPS_BOUND = KV_TOKENS  # no decode loop runs longer than the pool has tokens
+
+
+def _start_decoding(h: sh.Harness, requests: int) -> ScheduleBatch:
+    """`requests` short requests prefilled and decoding (the real admission and prefill round),
+    their prompts put in the tree as the result processor does."""
+    sched = h.scheduler
+    sched.enable_skip_finishing_decode = False
+    sched.decode_offload_manager = None
+    # Enough new tokens to fill the pool, and few enough that admission still takes a chunk.
+    max_new_tokens = (KV_TOKENS - requests * SHORT_TOKENS - CHUNK) // requests + 10
+    for i in range(requests):
+        sched._add_request_to_queue(h.make_req(_prompt(i, SHORT_TOKENS), max_new_tokens=max_new_tokens))
+    batch = h.run_round()
+    assert batch is not None and len(batch.reqs) == requests
+    for req in batch.reqs:
+        req.output_ids.append(7)
+        _checkpoint_prompt(h, req)
+    h.prepare_next_round()
+    sched.running_batch = batch
+    return batch
+
+
+def _park_a_chunk(h: sh.Harness) -> Req:
+    """A long request whose first chunk ran (cached and locked in the tree, as the loop stashes
+    it), then whose next chunk's allocation missed: unwound and parked."""
+    sched = h.scheduler
+    long = h.add_request(_prompt(len(sched.running_batch.reqs), LONG_TOKENS))
+    first = h.run_round()
+    assert first is not None and first.reqs == [long] and sched.chunked_req is long
+    long.inflight_middle_chunks -= 1  # its result processed (process_batch_result_prefill)
+    h.prepare_next_round()
+    with h.arm_miss("token_slots"):
+        assert h.run_round() is None
+    h.prepare_next_round()
+    assert sched.chunked_req is long and sh.prefix_len(long) == CHUNK
+    assert long.inflight_middle_chunks == 0
+    return long
+
+
+def _decode_until_full(h: sh.Harness, batch: ScheduleBatch) -> None:
+    """Decode steps (each output token appended, as the result processor does) until the next one
+    does not fit in the pool."""
+    sched = h.scheduler
+    for _ in range(DECODE_STEPS_BOUND):
+        if not batch.check_decode_mem():
+            return
+        assert sched.update_running_batch(batch) is batch
+        for req in batch.reqs:
+            req.output_ids.append(7)
+    raise AssertionError("the pool never filled")
+
+
+def _decode_step(h: sh.Harness, batch: ScheduleBatch, long: Req) -> dict[str, Any]:
+    sched = h.scheduler
+    running = [r.rid for r in batch.reqs]
+    queued_before = {r.rid for r in sched.waiting_queue}
+    protected_before = h.tree_cache.protected_size()
+    stepped = sched.update_running_batch(batch)
+    kept = [] if stepped is None else [r.rid for r in stepped.reqs]
+    queued = [r.rid for r in sched.waiting_queue if r.rid not in queued_before]
+    return {
+        "kept": kept,
+        "queued": queued,
+        "aborted": sorted(set(running) - set(kept) - set(queued)),
+        "chunk_parked": sched.chunked_req is long,
+        "chunk_holds_kv": long.kv.holds_kv,
+        # Tree tokens whose lock was given back (the parked chunk's, or a retracted prompt's).
+        "unlocked": protected_before - h.tree_cache.protected_size(),
+        "releases": getattr(sched, "num_parked_chunk_releases", 0),
+        "step_slots": None if stepped is None else len(stepped.out_cache_loc),
+    }
+
+
+@contextlib.contextmanager
+def _parked_chunk_behind(
+    requests: int, config: dict[str, Any] | None = None
+) -> Iterator[tuple[sh.Harness, ScheduleBatch, Req]]:
+    """`requests` short requests decoding into a pool the parked chunk's locked prefix shares,
+    decoded until their next step does not fit."""
+    with sh.build_harness(**(config or {}), kv_tokens=KV_TOKENS, chunked_prefill_size=CHUNK) as h:
+        batch = _start_decoding(h, requests)
+        long = _park_a_chunk(h)
+        _decode_until_full(h, batch)
+        yield h, batch, long
+
+
+# A hybrid model's decode with ping-pong tracking pins host memory (CUDA only): the plain Mamba
+# radix cache stands for the hybrid family here.
+CONFIGS = {"page1": {}, "mamba": MAMBA}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_a_step_that_cannot_fit_its_last_request_releases_the_parked_chunk(config: dict[str, Any]) -> None:
+    """One request decodes and the parked chunk's prefix holds the rest of the pool: upstream
+    aborts the request; the step must release the chunk and decode it (a hybrid model's chunk
+    gives back its Mamba slots too)."""
+    with _parked_chunk_behind(requests=1, config=config) as (h, batch, long):
+        step = _decode_step(h, batch, long)
+        assert step["aborted"] == []
+        assert step["kept"] == ["r0"] and step["step_slots"] == 1
+        assert step["queued"] == [long.rid]
+        assert not step["chunk_parked"] and not step["chunk_holds_kv"]
+        assert step["unlocked"] == CHUNK
+        assert step["releases"] == 1
+        assert long.kv.mamba_pool_idx is None and long.kv.mamba_ping_pong_track_buffer is None
+        # The released request is admitted again once the decoding request has finished.
+        h.finish_request(batch.reqs[0])
+        batch.filter_batch()
+        batch.batch_is_full = False
+        again = h.run_round()
+        assert again is not None and again.reqs == [long]
+
+
+def test_a_chunk_stays_parked_where_retraction_makes_room() -> None:
+    """Two requests decode: retracting one makes room for the other, as upstream does; the
+    parked chunk keeps its row and lock."""
+    with _parked_chunk_behind(requests=2) as (h, batch, long):
+        step = _decode_step(h, batch, long)
+    assert step["aborted"] == []
+    assert len(step["kept"]) == 1 and len(step["queued"]) == 1
+    assert step["chunk_parked"] and step["chunk_holds_kv"]
+    assert step["unlocked"] == SHORT_TOKENS  # the retracted request's prompt, not the chunk
+    assert step["releases"] == 0
+
+
+def _parked_chunk_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Both ranks: a rank-local pool, one request decoding, a parked chunk, decoded until full;
+    rank 0's real reading drifts at every read (a co-tenant's 0-4 tokens, as kvcached's cached
+    reading drifts). The ranks must decide alike: release the chunk and decode the request."""
+    batch = _start_decoding(h, 1)
+    long = _park_a_chunk(h)
+    _decode_until_full(h, batch)
+    if rank == 0:
+        assert h.physical is not None
+        h.physical.drift(_drifting(0))
+    step = _decode_step(h, batch, long)
+    step["uniform_free"] = h.token_to_kv_pool_allocator.uniform_available_size()
+    return step
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    name = "tp_parked_chunk_with_drift"
+    config = {"chunked_prefill_size": CHUNK}
+    return run_two_ranks([name], {name: _parked_chunk_with_drift}, {name: KV_TOKENS}, {name: config})
+
+
+def test_two_ranks_whose_readings_drift_release_the_parked_chunk_alike(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_parked_chunk_with_drift")
+    assert ranks[0] == ranks[1]  # kept, queued, aborted, the chunk's state, free space: alike
+    r = ranks[0]
+    assert r["aborted"] == [] and r["kept"] == ["r0"] and r["releases"] == 1
