@@ -11,9 +11,10 @@ instead (its row and lock; it is queued as a retracted request and admitted agai
 decodes. Where retraction alone makes room, the chunk stays parked, as upstream would keep it.
 
 Expected: the first test FAILS without the patch (the decoding request aborted, the chunk still
-parked) and PASSES with it; the second pins what the patch must leave alone (it passes either
-way); the third, on two gloo ranks with rank 0's reading drifting, FAILS without the patch and
-PASSES with it, both ranks deciding alike.
+parked) and PASSES with it; the second and third pin what the patch must leave alone (a chunk
+that retraction makes room without, a chunk still in flight) and pass either way; the fourth, on
+two gloo ranks with rank 0's reading drifting, FAILS without the patch and PASSES with it, both
+ranks deciding alike.
 """
 
 from __future__ import annotations
@@ -158,6 +159,17 @@ def test_a_chunk_stays_parked_where_retraction_makes_room() -> None:
     assert step["chunk_parked"] and step["chunk_holds_kv"]
     assert step["unlocked"] == SHORT_TOKENS  # the retracted request's prompt, not the chunk
     assert step["releases"] == 0
+
+
+def test_a_chunk_in_flight_is_not_released() -> None:
+    """With the overlap loop the chunked request's last chunk can still be in flight (its result
+    not processed) when the decode step is scheduled: it is not released then (its KV is being
+    written), and the step falls back to upstream's abort."""
+    with _parked_chunk_behind(requests=1) as (h, batch, long):
+        long.inflight_middle_chunks += 1
+        step = _decode_step(h, batch, long)
+    assert step["aborted"] == ["r0"]
+    assert step["chunk_parked"] and step["chunk_holds_kv"] and step["releases"] == 0
 
 
 def _parked_chunk_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
