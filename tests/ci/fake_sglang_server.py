@@ -63,6 +63,7 @@ counts = {
         "withheld_readings": 0,
         "decode_retractions": 0,
         "withheld_amounts": 0,
+        "parked_chunk_releases": 0,
     }
     for rank in range(TP)
 }

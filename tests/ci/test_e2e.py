@@ -50,6 +50,8 @@ from e2e_harness.scenarios import (  # noqa: E402
     MAX_TOTAL_TOKENS,
     NATURAL,
     NATURAL_HICACHE,
+    NATURAL_PARKED,
+    NATURAL_POOL_TOKENS,
     NATURAL_ROOMY_POOL_TOKENS,
 )
 from e2e_harness.server import CPU_FLAGS, HOOK, Server, free_port, server_command  # noqa: E402
@@ -135,6 +137,7 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "decode_steps": 0,
         "agreement_all_reduces": 0,
         "withheld_amounts": 0,
+        "parked_chunk_releases": 0,
         "unwound_rids": {},
         "died_with": None,
     }
@@ -856,6 +859,67 @@ def test_a_natural_hicache_run_whose_decode_retraction_aborted_a_request_fails(
         NATURAL_HICACHE,
     )
     assert not run.ok and run.failed == 1 and run.verdict.startswith("1 failed"), run.verdict
+
+
+NATURAL_PARKED_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is NATURAL_PARKED}
+
+
+def test_the_parked_runs_size_their_traffic_to_park_a_chunk_behind_one_decoding_request() -> None:
+    """The long prompt fits the pool alone (admitted, never refused) but not beside the short one,
+    so a chunk of it misses and is parked; the short request then decodes more tokens than the
+    pool has left. In ./scripts/test, with a control on a pool that never misses."""
+    assert set(NATURAL_PARKED_SPECS) == {
+        f"natural-parked-{kind}" for kind in ("control", "pristine", "patched")
+    }
+    assert set(NATURAL_PARKED_SPECS) <= set(CPU_DEFAULT_RUNS)
+    assert traffic.PARKED_LONG_TOKENS + traffic.MAX_NEW_TOKENS <= NATURAL_POOL_TOKENS
+    assert traffic.PARKED_LONG_TOKENS + traffic.NATURAL_SHORT_TOKENS > NATURAL_POOL_TOKENS
+    assert traffic.PARKED_SHORT_NEW_TOKENS > NATURAL_POOL_TOKENS - traffic.PARKED_LONG_TOKENS
+    control = NATURAL_PARKED_SPECS["natural-parked-control"].server_flags_of_scenario()
+    assert control[control.index("--max-total-tokens") + 1] == str(NATURAL_ROOMY_POOL_TOKENS)
+    [[long, short]] = traffic.plan_parked_traffic()
+    assert len(long.input_ids) == traffic.PARKED_LONG_TOKENS and long.max_new_tokens is None
+    assert short.send_after_s > 0 and short.max_new_tokens == traffic.PARKED_SHORT_NEW_TOKENS
+
+
+def test_a_request_is_sent_with_its_own_new_tokens(tmp_path: Path) -> None:
+    control, outcomes = _run(tmp_path, "control", NATURAL_PARKED_SPECS["natural-parked-control"])
+    assert control.ok, control
+    lengths = {o.key: len(o.output_ids) for o in outcomes}
+    assert lengths == {"long": traffic.MAX_NEW_TOKENS, "short": traffic.PARKED_SHORT_NEW_TOKENS}
+
+
+def test_hook_counts_the_parked_chunks_a_decode_step_released(tmp_path: Path) -> None:
+    class Scheduler:
+        def _release_parked_chunk(self, parked: bool) -> bool:
+            return parked
+
+        def run_event_loop(self) -> None:
+            pass
+
+    injector = hook.Injector(limit=0, counters_dir=tmp_path)
+    assert "_release_parked_chunk" in hook.wrap_scheduler(Scheduler, injector)
+    scheduler = Scheduler()
+    assert scheduler._release_parked_chunk(True) is True
+    assert scheduler._release_parked_chunk(False) is False  # nothing parked: not counted
+    assert injector.counts["parked_chunk_releases"] == 1
+
+
+def test_a_parked_run_fails_unless_every_rank_released_the_parked_chunk() -> None:
+    """Every request served and every rank unwound is not enough: a patched parked run that never
+    released a parked chunk showed nothing of series entry 0015; one that did passes."""
+
+    def patched(releases: dict[str, int]) -> Run:
+        run = Run("dense", "natural-parked-patched", "patched", scenario="natural-parked", started=True)
+        run.unwinds, run.unwound_requests, run.parked_chunk_releases = {"0": 3}, {"long": 3}, releases
+        outputs = {"long": [1, 2], "short": [3, 4]}
+        judge(run, [traffic.Outcome(key, True, ids) for key, ids in outputs.items()], outputs, NATURAL_PARKED)
+        return run
+
+    never = patched({"0": 0})
+    assert not never.ok and never.verdict.startswith("no parked chunk was released this time"), never.verdict
+    released = patched({"0": 1})
+    assert released.ok and released.verdict.endswith("parked chunks released {'0': 1}"), released.verdict
 
 
 def test_a_line_without_the_natural_mechanism_runs_without_the_natural_runs() -> None:

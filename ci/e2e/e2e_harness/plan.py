@@ -22,7 +22,16 @@ from packaging.version import Version
 from sglang_carry.errors import CarryError
 
 from .models import MODELS
-from .scenarios import GDN, HICACHE, LFM2, MAX_TOTAL_TOKENS, NATURAL, NATURAL_HICACHE, Scenario
+from .scenarios import (
+    GDN,
+    HICACHE,
+    LFM2,
+    MAX_TOTAL_TOKENS,
+    NATURAL,
+    NATURAL_HICACHE,
+    NATURAL_PARKED,
+    Scenario,
+)
 from .server import CPU_FLAGS, CPU_STANDINS, ROOT, cpu_env
 from .verdicts import COMPARING, CONTROL, PATCHED, PRISTINE, RECOMPUTE, WITHOUT_LOAD_WAIT
 
@@ -176,6 +185,11 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
         PRISTINE,
     ),
     (RunSpec("natural-hicache-patched", PATCHED, scenario=NATURAL_HICACHE, extra_env=SLOW_COPIES), PATCHED),
+    # A chunk parked while one short request decodes into a full pool (NATURAL_PARKED): the
+    # series releases the chunk rather than abort the request; both finish, outputs equal.
+    (RunSpec("natural-parked-control", CONTROL, scenario=NATURAL_PARKED), PATCHED),
+    (RunSpec("natural-parked-pristine", PRISTINE, scenario=NATURAL_PARKED), PRISTINE),
+    (RunSpec("natural-parked-patched", PATCHED, scenario=NATURAL_PARKED), PATCHED),
     # The hybrid LFM2 (LFM2: its conv state backed up to host and loaded back): the control's
     # outputs equal a run that recomputes every prompt; the miss is injected as for the dense
     # model; the series without its load wait shows the seed's hazard, counted by the copies that

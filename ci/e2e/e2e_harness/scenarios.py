@@ -17,6 +17,7 @@ from .traffic import (
     Request,
     plan_growing_traffic,
     plan_natural_traffic,
+    plan_parked_traffic,
     plan_traffic,
 )
 
@@ -104,6 +105,9 @@ class Scenario:
     mamba_state: bool = False
     # The model is a gated delta net: its servers load the GDN stand-ins (ci/e2e/cpu/carry_e2e_gdn.py).
     gdn_kernels: bool = False
+    # A patched run must release a parked chunk (series entry 0015) on every rank, or it showed
+    # nothing of what it is for.
+    parks_a_chunk: bool = False
     # Its runs are in the default run (./scripts/test); else only where asked for: `--runs all`
     # (the nightly), `--models` naming its model, or `--runs` naming them.
     in_default_run: bool = True
@@ -151,6 +155,23 @@ NATURAL_HICACHE = Scenario(
     False,
     first_line="0.5.21",
     in_default_run=False,
+)
+# NATURAL's flags and a parked chunk: the long prompt's chunks go on past the short request's
+# reservation until one misses and is put back (parked, holding its computed chunks locked); the
+# short request then decodes alone into what is left and fills the pool. Upstream's retraction has
+# nothing else to retract and aborts it with a 500 ("Out of memory even after retracting all other
+# requests"), a request the roomy control serves; series entry 0015 releases the parked chunk
+# instead. Pristine dies at the miss, as in NATURAL.
+NATURAL_PARKED = Scenario(
+    "natural-parked",
+    natural_flags(NATURAL_POOL_TOKENS),
+    natural_flags(NATURAL_ROOMY_POOL_TOKENS),
+    plan_parked_traffic,
+    2,
+    False,
+    False,
+    first_line="0.5.21",
+    parks_a_chunk=True,
 )
 # The hybrid LFM2 under HICACHE's pool and cache, its Mamba state (the conv state) backed up to
 # host and loaded back (no_buffer: the only Mamba strategy on CPU; extra_buffer is refused there).

@@ -37,6 +37,10 @@ NATURAL_LONG_TOKENS = 3000
 NATURAL_SHORT_TOKENS = 48
 NATURAL_SHORT_REQUESTS = 30
 NATURAL_SHORT_AFTER_S = 0.1
+# Parked-chunk traffic (scenarios.NATURAL_PARKED): one long prompt nearly the pool's size, and one
+# short request that arrives while it is chunked and decodes long enough to fill the pool.
+PARKED_LONG_TOKENS = 3280
+PARKED_SHORT_NEW_TOKENS = 256
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Request:
     input_ids: list[int]
     # Sent this long after its wave starts (every request of a wave is in flight at once).
     send_after_s: float = 0.0
+    # Its greedy new tokens (None: MAX_NEW_TOKENS).
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -104,12 +110,32 @@ def plan_natural_traffic(seed: int = 0) -> list[list[Request]]:
     return [[long, *shorts]]
 
 
+def plan_parked_traffic(seed: int = 0) -> list[list[Request]]:
+    """One wave: the long prompt, then (NATURAL_SHORT_AFTER_S later, while it is chunked) one short
+    prompt that decodes PARKED_SHORT_NEW_TOKENS."""
+    rng = random.Random(seed)
+    long = Request("long", [rng.randrange(3, VOCAB) for _ in range(PARKED_LONG_TOKENS)])
+    short = Request(
+        "short",
+        [rng.randrange(3, VOCAB) for _ in range(NATURAL_SHORT_TOKENS)],
+        NATURAL_SHORT_AFTER_S,
+        max_new_tokens=PARKED_SHORT_NEW_TOKENS,
+    )
+    return [[long, short]]
+
+
 def generate(base_url: str, request: Request, timeout_s: float = REQUEST_TIMEOUT_S) -> Outcome:
     time.sleep(request.send_after_s)
     body = json.dumps(
         {
             "input_ids": request.input_ids,
-            "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
+            "sampling_params": {
+                "max_new_tokens": MAX_NEW_TOKENS
+                if request.max_new_tokens is None
+                else request.max_new_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
             "rid": request.key,
         }
     ).encode()

@@ -52,6 +52,8 @@ class Run:
     unwinds: dict[str, int] = field(default_factory=dict)
     # Decode retractions after a decode step's allocation missed (the carried decode agreement).
     decode_retractions: dict[str, int] = field(default_factory=dict)
+    # Parked chunked requests a decode step released rather than abort its last request.
+    parked_chunk_releases: dict[str, int] = field(default_factory=dict)
     # Readings of the allocator's available_size() that were reduced (withheld_tokens > 0), and how
     # many different amounts they withheld.
     withheld_readings: dict[str, int] = field(default_factory=dict)
@@ -109,6 +111,8 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         run.unwinds[rank] = run.unwinds.get(rank, 0) + int(record.get("unwinds", 0))
         retractions = int(record.get("decode_retractions", 0))
         run.decode_retractions[rank] = run.decode_retractions.get(rank, 0) + retractions
+        released = int(record.get("parked_chunk_releases", 0))
+        run.parked_chunk_releases[rank] = run.parked_chunk_releases.get(rank, 0) + released
         withheld = int(record.get("withheld_readings", 0))
         run.withheld_readings[rank] = run.withheld_readings.get(rank, 0) + withheld
         amounts = int(record.get("withheld_amounts", 0))
@@ -241,6 +245,19 @@ def judge(
             # The traffic did not bring the miss about this time (or upstream fixed it): the run
             # showed nothing, so it cannot pass.
             run.ok, run.verdict = False, "no natural miss this time: pristine survived its traffic"
+    elif (
+        run.kind == PATCHED
+        and scenario.parks_a_chunk
+        and everything
+        and not all(run.parked_chunk_releases.get(rank, 0) for rank in every_rank)
+    ):
+        # Every request was served, but the traffic never parked a chunk behind the last decoding
+        # request: the run showed nothing of what it is for.
+        run.ok, run.verdict = (
+            False,
+            f"no parked chunk was released this time (releases {run.parked_chunk_releases},"
+            f" unwinds {run.unwinds})",
+        )
     elif run.kind == PATCHED:
         run.ok = bool(
             everything
@@ -259,6 +276,7 @@ def judge(
                 if run.l3_storage
                 else ""
             )
+            + (f"; parked chunks released {run.parked_chunk_releases}" if scenario.parks_a_chunk else "")
             if run.ok
             else (
                 f"{run.failed} failed, misses {run.misses}, {run.recovery}: {run.recoveries},"

@@ -31,6 +31,7 @@ when the withholding applies (only while the scheduler is busy) and why.
 
 Observed per process (its TP rank recorded): eligible allocations, injected misses, loads started,
 prefill unwinds (the scheduler's unwind, where the tree has one; per request too, by rid),
+parked chunks released by a decode step (series entry 0015),
 withheld readings (readings of `available_size()` that were reduced), and the exception the
 scheduler's event loop died with, if it did (type, message, where it was raised). They go to
 CARRY_E2E_COUNTERS_DIR/<pid>.json, rewritten (atomically) on every change, so they survive a
@@ -75,6 +76,9 @@ DECODE_RETRACTION_METHOD = "retract_decode"
 # A decode step is eligible for a miss from this many requests on (the warm-up decodes one).
 DECODE_MISS_MIN_REQUESTS = 2
 UNWIND_METHOD = "_unwind_prefill_batch"
+# Series entry 0015: a decode step that cannot fit its last request releases a parked chunk
+# (True when it released one).
+PARKED_RELEASE_METHOD = "_release_parked_chunk"
 # The carried agreement (a cached property whose `reduce` makes every vote's all-reduce).
 AGREEMENT_PROPERTY = "_prefill_agreement"
 # The scheduler's event loop, outermost first (run_event_loop dispatches to one event_loop_*).
@@ -110,6 +114,8 @@ class Injector:
             "agreement_all_reduces": 0,
             # How many different amounts the withheld readings took (2 or more: it drifted).
             "withheld_amounts": 0,
+            # Parked chunked requests released by a decode step that could not fit its last request.
+            "parked_chunk_releases": 0,
         }
         # Each request whose prefill was put back (by rid), and how often.
         self.unwound_rids: dict[str, int] = {}
@@ -445,6 +451,17 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
 
         setattr(scheduler_class, UNWIND_METHOD, unwind_prefill_batch)
         wrapped.append(UNWIND_METHOD)
+    release = scheduler_class.__dict__.get(PARKED_RELEASE_METHOD)
+    if release is not None:
+
+        def release_parked_chunk(self: Any, *args: Any, **kwargs: Any) -> Any:
+            released = release(self, *args, **kwargs)
+            if released:
+                injector.count("parked_chunk_releases")
+            return released
+
+        setattr(scheduler_class, PARKED_RELEASE_METHOD, release_parked_chunk)
+        wrapped.append(PARKED_RELEASE_METHOD)
     agreement = scheduler_class.__dict__.get(AGREEMENT_PROPERTY)
     if isinstance(agreement, functools.cached_property):
 
