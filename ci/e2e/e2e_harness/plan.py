@@ -186,10 +186,14 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     ),
     (RunSpec("natural-hicache-patched", PATCHED, scenario=NATURAL_HICACHE, extra_env=SLOW_COPIES), PATCHED),
     # A chunk parked while one short request decodes into a full pool (NATURAL_PARKED): the
-    # series releases the chunk rather than abort the request; both finish, outputs equal.
+    # series releases the chunk rather than abort the request; both finish, outputs equal. Two
+    # ranks with a rank-local pool: both release alike (the decision reads the agreed ledger).
     (RunSpec("natural-parked-control", CONTROL, scenario=NATURAL_PARKED), PATCHED),
     (RunSpec("natural-parked-pristine", PRISTINE, scenario=NATURAL_PARKED), PRISTINE),
     (RunSpec("natural-parked-patched", PATCHED, scenario=NATURAL_PARKED), PATCHED),
+    (two_ranks("tp2-natural-parked-control", CONTROL, scenario=NATURAL_PARKED), PATCHED),
+    (two_ranks("tp2-natural-parked-pristine", PRISTINE, scenario=NATURAL_PARKED), PRISTINE),
+    (two_ranks("tp2-natural-parked-patched", PATCHED, scenario=NATURAL_PARKED), PATCHED),
     # The hybrid LFM2 (LFM2: its conv state backed up to host and loaded back): the control's
     # outputs equal a run that recomputes every prompt; the miss is injected as for the dense
     # model; the series without its load wait shows the seed's hazard, counted by the copies that
