@@ -869,8 +869,11 @@ def test_the_parked_runs_size_their_traffic_to_park_a_chunk_behind_one_decoding_
     so a chunk of it misses and is parked; the short request then decodes more tokens than the
     pool has left. In ./scripts/test, with a control on a pool that never misses."""
     assert set(NATURAL_PARKED_SPECS) == {
-        f"natural-parked-{kind}" for kind in ("control", "pristine", "patched")
+        f"{ranks}natural-parked-{kind}"
+        for ranks in ("", "tp2-")
+        for kind in ("control", "pristine", "patched")
     }
+    assert all(spec.rank_local for spec in NATURAL_PARKED_SPECS.values() if spec.tp == 2)
     assert set(NATURAL_PARKED_SPECS) <= set(CPU_DEFAULT_RUNS)
     assert traffic.PARKED_LONG_TOKENS + traffic.MAX_NEW_TOKENS <= NATURAL_POOL_TOKENS
     assert traffic.PARKED_LONG_TOKENS + traffic.NATURAL_SHORT_TOKENS > NATURAL_POOL_TOKENS
