@@ -11,10 +11,10 @@ instead (its row and lock; it is queued as a retracted request and admitted agai
 decodes. Where retraction alone makes room, the chunk stays parked, as upstream would keep it.
 
 Expected: the first test FAILS without the patch (the decoding request aborted, the chunk still
-parked) and PASSES with it; the second and third pin what the patch must leave alone (a chunk
-that retraction makes room without, a chunk still in flight) and pass either way; the fourth, on
-two gloo ranks with rank 0's reading drifting, FAILS without the patch and PASSES with it, both
-ranks deciding alike.
+parked) and PASSES with it; the second pins what the patch must leave alone (a chunk where
+retraction makes room) and passes either way; the third (a chunk still in flight: wait a step,
+then release) FAILS without the patch; the fourth, on two gloo ranks with rank 0's reading
+drifting, FAILS without the patch and PASSES with it, both ranks deciding alike.
 """
 
 from __future__ import annotations
@@ -161,15 +161,21 @@ def test_a_chunk_stays_parked_where_retraction_makes_room() -> None:
     assert step["releases"] == 0
 
 
-def test_a_chunk_in_flight_is_not_released() -> None:
-    """With the overlap loop the chunked request's last chunk can still be in flight (its result
-    not processed) when the decode step is scheduled: it is not released then (its KV is being
-    written), and the step falls back to upstream's abort."""
+def test_a_step_behind_a_chunk_still_in_flight_waits_a_step_then_releases_it() -> None:
+    """With the overlap loop the parked request's last chunk can still be running (its result not
+    processed) when the decode step is scheduled: the step decodes nothing rather than retract or
+    abort (upstream aborts the request), and once the result is processed the next step releases
+    the chunk and decodes."""
     with _parked_chunk_behind(requests=1) as (h, batch, long):
-        long.inflight_middle_chunks += 1
+        sched = h.scheduler
+        long.inflight_middle_chunks += 1  # its last chunk's result not processed yet
+        assert sched.update_running_batch(batch) is None  # this step decodes nothing
+        r0 = batch.reqs[0]
+        assert [r.rid for r in batch.reqs] == ["r0"] and r0.to_finish is None and not sched.waiting_queue
+        assert sched.chunked_req is long and long.kv.holds_kv
+        long.inflight_middle_chunks -= 1  # the result processed, this iteration
         step = _decode_step(h, batch, long)
-    assert step["aborted"] == ["r0"]
-    assert step["chunk_parked"] and step["chunk_holds_kv"] and step["releases"] == 0
+    assert step["aborted"] == [] and step["kept"] == ["r0"] and step["releases"] == 1
 
 
 def _parked_chunk_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
