@@ -27,6 +27,20 @@ def test_percentiles_and_summary() -> None:
     assert numbers["ttft_p99_ms"] == pytest.approx(400.0) and numbers["latency_median_ms"] == pytest.approx(
         1500.0
     )
+    # No agreement (pristine, or a plain pool): no time in it, and no division by zero.
+    assert numbers["agreement_us_per_all_reduce"] == 0.0 and numbers["agreement_share_of_pass"] == 0.0
+
+
+def test_the_agreements_time_per_all_reduce_and_its_share_of_the_pass_are_printed() -> None:
+    pristine = bench.Served("pristine", 2.0, 4, 40, [0.1], [1.0])
+    patched = bench.Served("patched", 2.0, 4, 40, [0.1], [1.0], agreement_all_reduces=4, agreement_us=100_000)
+    medians = {"pristine": bench.summary(pristine), "patched": bench.summary(patched)}
+    assert medians["patched"]["agreement_us_per_all_reduce"] == 25_000.0
+    assert medians["patched"]["agreement_share_of_pass"] == pytest.approx(0.05)
+    ratios = dict.fromkeys(bench.TIMED, 1.0)
+    rows = bench.table_lines(medians, ratios)
+    assert any(row.split() == ["agreement", "us", "each", "0", "25000"] for row in rows), rows
+    assert any(row.split() == ["agreement", "%", "of", "pass", "0.0%", "5.0%"] for row in rows), rows
 
 
 def test_over_target_names_each_ratio_past_its_target() -> None:

@@ -136,6 +136,7 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "decode_retractions": 0,
         "decode_steps": 0,
         "agreement_all_reduces": 0,
+        "agreement_us": 0,
         "withheld_amounts": 0,
         "parked_chunk_releases": 0,
         "unwound_rids": {},
@@ -221,12 +222,16 @@ class Agreement(NamedTuple):
 def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp_path: Path) -> None:
     reduced: list[list[int]] = []
 
+    def reduce_slowly(vote: list[int]) -> None:
+        reduced.append(vote)
+        time.sleep(0.02)
+
     class Scheduler:
         rank_local = True
 
         @functools.cached_property
         def _prefill_agreement(self) -> Agreement | None:
-            return Agreement(reduced.append, None) if self.rank_local else None
+            return Agreement(reduce_slowly, None) if self.rank_local else None
 
         def run_event_loop(self) -> None:
             pass
@@ -245,6 +250,8 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
     while json.loads((tmp_path / f"{os.getpid()}.json").read_text())["agreement_all_reduces"] != 3:
         assert time.monotonic() < deadline, "the last counts never reached the file"
         time.sleep(0.05)
+    # The time inside them, measured around the real reduce (each took at least 20 ms).
+    assert 60_000 <= json.loads((tmp_path / f"{os.getpid()}.json").read_text())["agreement_us"] < 5_000_000
 
 
 class Allocator:

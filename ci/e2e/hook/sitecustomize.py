@@ -112,6 +112,9 @@ class Injector:
             # and decode steps alike): what the agreement costs, in collectives.
             "decode_steps": 0,
             "agreement_all_reduces": 0,
+            # Wall-clock microseconds this rank spent inside those all-reduces (waiting for the
+            # slower rank included): at most what the agreement costs the step.
+            "agreement_us": 0,
             # How many different amounts the withheld readings took (2 or more: it drifted).
             "withheld_amounts": 0,
             # Parked chunked requests released by a decode step that could not fit its last request.
@@ -163,11 +166,11 @@ class Injector:
             self._save()
         return miss
 
-    def count(self, key: str, save_every_s: float = 0.0) -> None:
-        """Count one; saved now, or within `save_every_s` (a count on every decode step must not
-        rewrite the file each time, and the last ones must still reach it)."""
+    def count(self, key: str, save_every_s: float = 0.0, amount: int = 1) -> None:
+        """Add `amount` (one by default); saved now, or within `save_every_s` (a count on every
+        decode step must not rewrite the file each time, and the last ones must still reach it)."""
         with self._lock:
-            self.counts[key] += 1
+            self.counts[key] += amount
             self._changed_at = time.monotonic()
             if time.monotonic() - self._saved_at >= save_every_s:
                 self._save()
@@ -471,8 +474,11 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
                 return None
 
             def reduce(tensor: Any) -> None:
-                injector.count("agreement_all_reduces", SAVE_EVERY_S)
+                started = time.perf_counter()
                 made.reduce(tensor)
+                spent_us = round(1e6 * (time.perf_counter() - started))
+                injector.count("agreement_us", SAVE_EVERY_S, amount=spent_us)
+                injector.count("agreement_all_reduces", SAVE_EVERY_S)
 
             return made._replace(reduce=reduce)
 
