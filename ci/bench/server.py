@@ -157,10 +157,6 @@ def rank0_counts(folder: Path) -> dict[str, int]:
     return dict.fromkeys(HOOK_COUNTERS, 0)
 
 
-# What rank 0's hook counts that a pass reads (the difference across the timed traffic).
-HOOK_COUNTERS = ("decode_steps", "agreement_all_reduces", "agreement_us", "unwinds")
-
-
 def plan_bench_traffic(seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     return [
@@ -312,6 +308,8 @@ TIMED = (
     "seconds",
 )
 COUNTED = ("decode_steps", "agreement_all_reduces", "unwinds")
+# What a pass reads of rank 0's hook (the difference across the timed traffic).
+HOOK_COUNTERS = (*COUNTED, "agreement_us")
 # The time inside the agreement's all-reduces, per all-reduce (us) and as a share of the pass.
 AGREEMENT_TIME = ("agreement_us_per_all_reduce", "agreement_share_of_pass")
 

@@ -166,11 +166,17 @@ class Injector:
             self._save()
         return miss
 
-    def count(self, key: str, save_every_s: float = 0.0, amount: int = 1) -> None:
-        """Add `amount` (one by default); saved now, or within `save_every_s` (a count on every
-        decode step must not rewrite the file each time, and the last ones must still reach it)."""
+    def count(self, key: str, save_every_s: float = 0.0) -> None:
+        """Count one; saved now, or within `save_every_s` (a count on every decode step must not
+        rewrite the file each time, and the last ones must still reach it)."""
+        self.add({key: 1}, save_every_s)
+
+    def add(self, amounts: dict[str, int], save_every_s: float = 0.0) -> None:
+        """Add each of `amounts` in one update (a reader never sees one without the others),
+        saved as `count` saves."""
         with self._lock:
-            self.counts[key] += amount
+            for key, amount in amounts.items():
+                self.counts[key] += amount
             self._changed_at = time.monotonic()
             if time.monotonic() - self._saved_at >= save_every_s:
                 self._save()
@@ -477,8 +483,7 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
                 started = time.perf_counter()
                 made.reduce(tensor)
                 spent_us = round(1e6 * (time.perf_counter() - started))
-                injector.count("agreement_us", SAVE_EVERY_S, amount=spent_us)
-                injector.count("agreement_all_reduces", SAVE_EVERY_S)
+                injector.add({"agreement_all_reduces": 1, "agreement_us": spent_us}, SAVE_EVERY_S)
 
             return made._replace(reduce=reduce)
 
