@@ -46,8 +46,8 @@ CONFIGS: dict[str, dict[str, object]] = {
     "hicache": {"hicache": True},
 }
 HOST_PREFIX = list(range(100, 132))
-# The pristine tree with one all-reduce placed where the patched round votes (two ranks), of
-# about the vote's size.
+# The pristine tree with one all-reduce placed where the patched round votes (two ranks: right
+# after the batch's allocation), of about the vote's size.
 PLACEBO: dict[str, object] = {"elastic": True, "placebo": True}
 PLAIN_TARGET = 1.02
 # The agreement's cost per round, in units of that placed all-reduce's.
@@ -83,19 +83,21 @@ if ranks > 1:
 placebo = config.pop("placebo", False)
 harness = sh.build_harness(**config)
 if placebo:
-    # Pristine with one all-reduce where the patched scheduler votes (after the batch's
-    # allocation): what any collective at that point of a round costs, the ranks' skew included.
+    # Pristine with one all-reduce exactly where the patched scheduler votes: right after the
+    # batch's allocation (alloc_for_extend in prepare_for_extend, alloc_for_decode in
+    # prepare_for_decode), before the rest of the batch is prepared. What any collective at that
+    # point of a round costs, the ranks' skew included.
     import torch
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    def with_all_reduce_after(method, size):
-        original = getattr(ScheduleBatch, method)
-        def method_then_all_reduce(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
+    import sglang.srt.managers.schedule_batch as schedule_batch
+    def with_all_reduce_after(function, size):
+        original = getattr(schedule_batch, function)
+        def allocate_then_all_reduce(*args, **kwargs):
+            result = original(*args, **kwargs)
             counting_all_reduce(torch.zeros(size, dtype=torch.int64), op=dist.ReduceOp.MAX, group=pair)
             return result
-        setattr(ScheduleBatch, method, method_then_all_reduce)
-    with_all_reduce_after("prepare_for_extend", 8)
-    with_all_reduce_after("prepare_for_decode", 3)
+        setattr(schedule_batch, function, allocate_then_all_reduce)
+    with_all_reduce_after("alloc_for_extend", 8)
+    with_all_reduce_after("alloc_for_decode", 3)
 print("ready", flush=True)
 for line in sys.stdin:
     if line.startswith("allreduce"):

@@ -335,7 +335,8 @@ def two_ranks() -> TwoRanks:
     """The scenarios of this module, run once on both ranks (the HiCache one belongs to the wait
     entry, test_unwind_waits_for_load.py)."""
     return run_two_ranks(
-        [name for name in RANK_SCENARIOS if name != "tp_hicache_host"] + list(MULTI_ROUND_SCENARIOS)
+        [name for name in RANK_SCENARIOS if name != "tp_hicache_host"]
+        + [name for name in MULTI_ROUND_SCENARIOS if name not in OWN_RANKS]
     )
 
 
@@ -623,6 +624,32 @@ def _drift_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
     }
 
 
+def _drift_rounds_checking_prefetches(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The drifting rounds above, with every queued request's L3 prefetch in flight: admission
+    checks each candidate's prefetch (check_prefetch_progress), and where a prefetch is still
+    running upstream decides whether to end it with an all-reduce over the tree cache's attention
+    groups (_can_terminate_prefetch, marked rank_consensus). The storage is the fake here: each
+    check makes that all-reduce, then reports the prefetch done. If one rank stopped admitting
+    earlier than the other (its own reading said the pool was full), the other would check one
+    request more, and its all-reduce would meet the peer's vote, or nothing: a hang."""
+    sched, tree_cache = h.scheduler, h.tree_cache
+    checks: list[str] = []
+    real_check = tree_cache.check_prefetch_progress
+
+    def check_prefetch_in_flight(request: Any) -> bool:
+        checks.append(request.rid)
+        terminate = torch.tensor([1], dtype=torch.int64)
+        tree_cache._all_reduce_attn_groups(terminate, dist.ReduceOp.MIN)
+        return bool(real_check(request))
+
+    with (
+        mock.patch.object(sched, "enable_hicache_storage", True),
+        mock.patch.object(tree_cache, "check_prefetch_progress", check_prefetch_in_flight),
+    ):
+        result = _drift_rounds(h, rank)
+    return {**result, "checks": checks}
+
+
 def _decode_after_vote(h: sh.Harness, rank: int) -> dict[str, Any]:
     """A prefill round runs alike; while it allocates, a co-tenant takes nearly all of rank 0's
     memory, and from then on rank 0's real reading drifts at every read. The round's vote agrees
@@ -688,6 +715,7 @@ def _no_agreement_helper(h: sh.Harness, rank: int) -> dict[str, Any]:
 MULTI_ROUND_SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_no_agreement_helper": _no_agreement_helper,
     "tp_drift_rounds": _drift_rounds,
+    "tp_drift_prefetch_checks": _drift_rounds_checking_prefetches,
     "tp_decode_after_vote": _decode_after_vote,
     "tp_skewed_eviction": _skewed_eviction,
     "tp_cotenant_race": _cotenant_race,
@@ -700,7 +728,10 @@ MULTI_ROUND_SCENARIOS: dict[str, MultiRoundScenario] = {
 
 CHUNKED_SCENARIOS = {"tp_trees_differ"}
 # Built with a pool this size (the default else).
-KV_TOKENS = {"tp_drift_rounds": 256, "tp_decode_after_vote": 256}
+KV_TOKENS = {"tp_drift_rounds": 256, "tp_drift_prefetch_checks": 256, "tp_decode_after_vote": 256}
+# Run on their own ranks: on a series where the ranks' collectives stop lining up, a scenario
+# would leave the next one's collectives misaligned too.
+OWN_RANKS = {"tp_drift_prefetch_checks"}
 
 
 def test_ranks_with_different_free_space_evict_alike(two_ranks: TwoRanks) -> None:
@@ -726,6 +757,17 @@ def test_a_drifting_reading_admits_alike_on_every_rank(two_ranks: TwoRanks) -> N
     ranks = two_ranks.scenario("tp_drift_rounds")
     assert ranks[0]["rounds"] == ranks[1]["rounds"]
     assert ranks[0]["readings"] == ranks[1]["readings"]
+    for r in ranks.values():
+        assert r["divergences"] == 0 and r["left"] == 0
+
+
+def test_a_drifting_reading_checks_the_same_prefetches_on_every_rank() -> None:
+    """Finding 1: an admission collective (upstream's prefetch-termination all-reduce) is reached
+    by every rank in the same order, however the readings drift: both ranks finish every round
+    within the collectives' timeout, having checked the same prefetches in the same order."""
+    ranks = run_two_ranks(["tp_drift_prefetch_checks"]).scenario("tp_drift_prefetch_checks")
+    assert ranks[0]["checks"] == ranks[1]["checks"] != []
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]
     for r in ranks.values():
         assert r["divergences"] == 0 and r["left"] == 0
 
