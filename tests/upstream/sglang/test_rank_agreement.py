@@ -18,6 +18,7 @@ which pin what the patch must leave alone.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import traceback
@@ -312,6 +313,7 @@ def run_two_ranks(
     scenarios: Mapping[str, MultiRoundScenario] | None = None,
     kv_tokens: Mapping[str, int] | None = None,
     configs: Mapping[str, Mapping[str, Any]] | None = None,
+    timeout_s: float = RANK_TIMEOUT_S,
 ) -> TwoRanks:
     """Run the named scenarios on two forked gloo ranks: RANK_SCENARIOS, and multi-round ones
     from `scenarios` (this module's by default), built with `kv_tokens` and the harness options
@@ -325,7 +327,7 @@ def run_two_ranks(
         configs or {},
     )
     results, errors = forked_ranks.run_forked_ranks(
-        body, ranks=RANKS, timeout_s=RANK_TIMEOUT_S, collective_timeout_s=30
+        body, ranks=RANKS, timeout_s=timeout_s, collective_timeout_s=30
     )
     return TwoRanks(results, errors)
 
@@ -508,6 +510,30 @@ def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
         "unwinds": sh.num_prefill_unwinds(h),
         "metrics": {name: metric.total for name, metric in metrics.items() if "prefill_" in name},
     }
+
+
+def _chunk_sizes_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The ranks' chunk sizes differ in some rounds (rank 1's is 16 tokens smaller), so they
+    schedule the same request from the same prefix to different extend ends: the fingerprint
+    covers the extend end, so those rounds are put back everywhere. Two such rounds, a round with
+    equal chunk sizes (it runs, and ends the run of divergences), then two more: never three in a
+    row, so the scheduler does not stop."""
+    sched = h.scheduler
+    own = sched.chunked_prefill_size
+    h.add_request(_prompt(0, 300))
+    outcomes: list[Any] = []
+    for differ in (True, True, False, True, True):
+        sched.chunked_prefill_size = own - 16 if differ and rank == 1 else own
+        try:
+            batch = h.run_round()
+        except Exception as error:  # the scheduler stopping
+            outcomes.append(type(error).__name__)
+            break
+        outcomes.append(
+            None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
+        )
+        h.prepare_next_round()
+    return {"outcomes": outcomes, "divergences": sched.num_prefill_divergences}
 
 
 def _cotenant_within_a_round(h: sh.Harness, rank: int) -> dict[str, Any]:
@@ -722,11 +748,12 @@ MULTI_ROUND_SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_cotenant_between_rounds": _cotenant_between_rounds,
     "tp_cotenant_within_a_round": _cotenant_within_a_round,
     "tp_trees_differ": _trees_differ,
+    "tp_chunk_sizes_differ": _chunk_sizes_differ,
     "tp_idle_round": _idle_round_keeps_the_cap,
 }
 
 
-CHUNKED_SCENARIOS = {"tp_trees_differ"}
+CHUNKED_SCENARIOS = {"tp_trees_differ", "tp_chunk_sizes_differ"}
 # Built with a pool this size (the default else).
 KV_TOKENS = {"tp_drift_rounds": 256, "tp_drift_prefetch_checks": 256, "tp_decode_after_vote": 256}
 # Run on their own ranks: on a series where the ranks' collectives stop lining up, a scenario
@@ -753,6 +780,18 @@ def test_ranks_whose_trees_differ_never_run_the_batch(two_ranks: TwoRanks) -> No
         assert r["charged"] == 0
 
 
+def test_ranks_whose_chunks_end_apart_never_run_the_batch_and_a_good_round_resets_the_count(
+    two_ranks: TwoRanks,
+) -> None:
+    ranks = two_ranks.scenario("tp_chunk_sizes_differ")
+    assert ranks[0]["outcomes"] == ranks[1]["outcomes"]
+    diverged, again, good, third, fourth = ranks[0]["outcomes"]
+    assert diverged is again is third is fourth is None
+    assert good is not None and [(prefix, end) for _, prefix, end in good] == [(0, CHUNK)]
+    for r in ranks.values():
+        assert r["divergences"] == 4
+
+
 def test_a_drifting_reading_admits_alike_on_every_rank(two_ranks: TwoRanks) -> None:
     ranks = two_ranks.scenario("tp_drift_rounds")
     assert ranks[0]["rounds"] == ranks[1]["rounds"]
@@ -765,7 +804,8 @@ def test_a_drifting_reading_checks_the_same_prefetches_on_every_rank() -> None:
     """Finding 1: an admission collective (upstream's prefetch-termination all-reduce) is reached
     by every rank in the same order, however the readings drift: both ranks finish every round
     within the collectives' timeout, having checked the same prefetches in the same order."""
-    ranks = run_two_ranks(["tp_drift_prefetch_checks"]).scenario("tp_drift_prefetch_checks")
+    # A run takes about 12 s; ranks whose collectives stop lining up hang until the bound.
+    ranks = run_two_ranks(["tp_drift_prefetch_checks"], timeout_s=90).scenario("tp_drift_prefetch_checks")
     assert ranks[0]["checks"] == ranks[1]["checks"] != []
     assert ranks[0]["rounds"] == ranks[1]["rounds"]
     for r in ranks.values():
@@ -898,6 +938,90 @@ def test_an_admitting_round_makes_one_collective_once_agreed() -> None:
         # been missing, the most any rank measured (the wall-clock deadline, alike on every rank).
         missed_round = 2 if hasattr(h.scheduler, "_prefill_unwind_clock") else 1
         assert collectives == [2, 1, missed_round, 2, 1, 2]
+
+
+# What the event loop gives on_idle that the harness does not build: reporting and housekeeping
+# objects (metrics, load publishing, health checks, KV events), each a recording stand-in.
+EVENT_LOOP_OBJECTS = (
+    "dp_attn_adapter",
+    "maybe_send_health_check_signal",
+    "metrics_reporter",
+    "scheduler_stage_metrics",
+    "invariant_checker",
+    "pool_stats_observer",
+    "kv_events_publisher",
+    "new_token_ratio_tracker",
+    "publish_load_snapshot",
+    "load_publisher",
+    "load_inquirer",
+)
+
+
+def test_the_real_idle_path_reads_the_pools_as_they_are_before_the_leak_check() -> None:
+    """Once the scheduler is fully idle (on every rank alike), the real `on_idle` lets each pool
+    read as it is before upstream's idle leak check reads the pools (else the check compares
+    the ledger with the pool and reports a leak where a co-tenant's memory came back), and the
+    next admitting round agrees afresh. An on_idle that is not fully idle keeps the agreement."""
+    with sh.build_harness(elastic=True) as h:
+        sched = h.scheduler
+        capacity = sched._prefill_agreement.capacity
+        allocator = h.token_to_kv_pool_allocator
+        assert h.physical is not None
+        h.add_request(_prompt(0))
+        batch = h.run_round()
+        assert batch is not None and capacity.current
+        for req in batch.reqs:
+            h.finish_request(req)
+        h.prepare_next_round()
+        h.physical.take(10)  # a co-tenant maps memory away after the agreement
+        seen_by_leak_check: list[tuple[bool, int, int]] = []
+
+        def check_all_pools(*args: Any) -> tuple[bool, list[str]]:
+            seen_by_leak_check.append((capacity.current, allocator.available_size(), h.physical.available()))
+            return False, []
+
+        with contextlib.ExitStack() as stack:
+            for name in EVENT_LOOP_OBJECTS:
+                stack.enter_context(mock.patch.object(sched, name, mock.MagicMock(), create=True))
+            sched.invariant_checker._check_all_pools.side_effect = check_all_pools
+            # Nothing in flight, no unified memory: the event loop's state when idle.
+            idle_state = {
+                "last_batch": None,
+                "result_queue": collections.deque(),
+                "_last_stall_publish_ts": 0.0,
+                "enable_unified_memory": False,
+                "idle_sleeper": None,
+            }
+            for name, value in idle_state.items():
+                stack.enter_context(mock.patch.object(sched, name, value, create=True))
+            if hasattr(sched, "_pp_microbatches_drained"):  # 0.5.20: one PP stage here
+                stack.enter_context(mock.patch.object(sched, "_pp_microbatches_drained", lambda: True))
+            stack.enter_context(mock.patch("time.sleep"))
+            queued = h.add_request(_prompt(1))
+            sched.on_idle()  # a request waits: not idle
+            assert capacity.current and seen_by_leak_check == []
+            sched.waiting_queue.remove(queued)
+            sched.on_idle()
+        [(current, reading, real)] = seen_by_leak_check
+        assert not current and reading == real
+
+
+def test_a_put_back_round_whose_next_round_only_continues_a_chunk_agrees_afresh() -> None:
+    """After a round is put back, the next admitting round agrees on the real free space before
+    it admits, also when all it has to admit is the continuing chunk (nothing queued): sized by
+    the stale ledger instead, the chunk would miss again at every round for as long as the
+    co-tenant holds the memory."""
+    with sh.build_harness(elastic=True, chunked_prefill_size=CHUNK) as h:
+        sched = h.scheduler
+        capacity = sched._prefill_agreement.capacity
+        long = _start_chunked(h, 200)
+        assert h.physical is not None and capacity.current
+        h.physical.take(h.physical.uniform() - 40)  # a co-tenant leaves 40 tokens: a chunk misses
+        assert h.run_round() is None and not capacity.current  # put back
+        assert sched.waiting_queue == [] and sched.chunked_req is long
+        batch = h.run_round()
+        assert batch is not None and batch.reqs == [long] and capacity.current
+        assert CHUNK < sh.extend_end(long) <= CHUNK + 40
 
 
 class _DelayerReadThePools(Exception):

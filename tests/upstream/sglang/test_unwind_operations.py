@@ -123,19 +123,46 @@ def test_a_peer_miss_gives_back_the_rotation_base_this_rank_stamped() -> None:
         assert h.free_counts() == before
 
 
-def test_pipeline_parallel_refuses_a_peer_stage_miss_too() -> None:
-    """Under PP the refusal does not depend on which rank missed: a rank that allocated but is
-    told a peer missed stops too, naming the mode, and gives nothing back first."""
+def _pipeline_parallel(h: sh.Harness) -> None:
+    """Nothing to set on the harness: the test's runtime context says pp_size=2."""
+
+
+REFUSED_ON_A_PEER_MISS = {
+    r"pipeline parallelism \(pp_size=2\)": _pipeline_parallel,
+    **{f"not unwound with {mode}": set_mode for mode, set_mode in REFUSED_MODES.items()},
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSED_ON_A_PEER_MISS))
+def test_a_refused_mode_stops_on_a_peer_miss_and_gives_nothing_back_first(refusal: str) -> None:
+    """The refusal does not depend on which rank missed: a rank that allocated but is told a
+    peer missed stops too, naming the mode, and gives nothing back first (the refusal comes before
+    the give-back: the scheduler stops with the batch's allocation held, as 0.5.20 stops at a
+    miss, rather than free pages an LMCache load or a HiSparse scratch may still use)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.scheduler import PrefillRound
 
-    with runtime_context.get_parallel().override(pp_size=2), sh.build_harness() as h:
+    pp_size = 2 if "pipeline" in refusal else 1
+    with runtime_context.get_parallel().override(pp_size=pp_size), sh.build_harness() as h:
+        REFUSED_ON_A_PEER_MISS[refusal](h)
         h.add_request(_prompt(0))
+        before = h.free_counts()
+        give_backs: list[Any] = []
+        real_give_back = ScheduleBatch.give_back_extend
+
+        def give_back(batch: Any, allocation: Any) -> None:
+            give_backs.append(batch)
+            real_give_back(batch, allocation)
+
         with (
             mock.patch.object(h.scheduler, "_settle_prefill_round", return_value=PrefillRound.MISSED),
-            pytest.raises(RuntimeError, match=r"pipeline parallelism \(pp_size=2\)"),
+            mock.patch.object(ScheduleBatch, "give_back_extend", give_back),
+            pytest.raises(RuntimeError, match=refusal),
         ):
             h.run_round()
         assert sh.num_prefill_unwinds(h) == 0
+        assert give_backs == []
+        assert h.free_counts()["kv_tokens"] == before["kv_tokens"] - len(_prompt(0))
 
 
 # --------------------------------------------------------------------------------------------

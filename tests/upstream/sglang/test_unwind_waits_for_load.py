@@ -194,6 +194,20 @@ def test_hicache_off_no_wait() -> None:
 RING_SLOTS = {"slot0": 0, "slot2": 2}
 
 
+@pytest.mark.parametrize("name", CONFIGS.keys())
+def test_a_round_that_runs_does_not_wait_for_its_load(name: str) -> None:
+    """The wait is the unwind's only: a round that runs leaves its load in flight (the forward
+    waits for it on the device, layer by layer), with no host-side wait."""
+    with sh.build_harness(hicache=True, auto_complete_events=False, **CONFIGS[name]) as h:
+        h.put_prefix_on_host(PREFIX)
+        h.add_request([*PREFIX, 7, 8, 9])
+        h.device_log.clear()
+        batch = h.run_round()
+        assert batch is not None and batch.hicache_consumer_index >= 0
+        assert _waits(h.device_log.entries) == []
+        assert not h.layer_done_counter.events[batch.hicache_consumer_index].finish_event.done
+
+
 @pytest.mark.parametrize("ring_slot", RING_SLOTS.values(), ids=RING_SLOTS.keys())
 @pytest.mark.parametrize("name", CONFIGS.keys())
 def test_waits_for_its_own_load(name: str, ring_slot: int) -> None:
