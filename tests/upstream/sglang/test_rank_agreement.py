@@ -960,24 +960,25 @@ EVENT_LOOP_OBJECTS = (
 def test_the_real_idle_path_reads_the_pools_as_they_are_before_the_leak_check() -> None:
     """Once the scheduler is fully idle (on every rank alike), the real `on_idle` lets each pool
     read as it is before upstream's idle leak check reads the pools (else the check compares
-    the ledger with the pool and reports a leak where a co-tenant's memory came back), and the
-    next admitting round agrees afresh. An on_idle that is not fully idle keeps the agreement."""
+    the ledger with the pool and reports a leak where a co-tenant's memory came back; the next
+    admitting round then agrees afresh). An on_idle that is not fully idle keeps the agreement."""
     with sh.build_harness(elastic=True) as h:
         sched = h.scheduler
         capacity = sched._prefill_agreement.capacity
         allocator = h.token_to_kv_pool_allocator
-        assert h.physical is not None
+        physical = h.physical
+        assert physical is not None
         h.add_request(_prompt(0))
         batch = h.run_round()
         assert batch is not None and capacity.current
         for req in batch.reqs:
             h.finish_request(req)
         h.prepare_next_round()
-        h.physical.take(10)  # a co-tenant maps memory away after the agreement
+        physical.take(10)  # a co-tenant maps memory away after the agreement
         seen_by_leak_check: list[tuple[bool, int, int]] = []
 
         def check_all_pools(*args: Any) -> tuple[bool, list[str]]:
-            seen_by_leak_check.append((capacity.current, allocator.available_size(), h.physical.available()))
+            seen_by_leak_check.append((capacity.current, allocator.available_size(), physical.available()))
             return False, []
 
         with contextlib.ExitStack() as stack:
@@ -985,7 +986,7 @@ def test_the_real_idle_path_reads_the_pools_as_they_are_before_the_leak_check() 
                 stack.enter_context(mock.patch.object(sched, name, mock.MagicMock(), create=True))
             sched.invariant_checker._check_all_pools.side_effect = check_all_pools
             # Nothing in flight, no unified memory: the event loop's state when idle.
-            idle_state = {
+            idle_state: dict[str, Any] = {
                 "last_batch": None,
                 "result_queue": collections.deque(),
                 "_last_stall_publish_ts": 0.0,
