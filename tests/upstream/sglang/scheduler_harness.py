@@ -863,9 +863,13 @@ class Harness:
 
     # ---- pool state ---------------------------------------------------------------------
     def free_counts(self) -> dict[str, int]:
+        """Each pool's own free count: for an elastic KV allocator its free list
+        (`uniform_available_size`), which only its allocations and frees change, not what
+        co-tenants hold of the GPU (the real reading, which may drift at every read)."""
+        allocator = self.token_to_kv_pool_allocator
         counts = {
             "req_rows": self.req_to_token_pool.available_size(),
-            "kv_tokens": self.token_to_kv_pool_allocator.available_size(),
+            "kv_tokens": getattr(allocator, "uniform_available_size", allocator.available_size)(),
         }
         mamba_allocator = getattr(self.req_to_token_pool, "mamba_allocator", None)
         if mamba_allocator is not None:

@@ -122,14 +122,15 @@ def test_a_step_that_fits_waits_for_no_copy() -> None:
 
 def _behind_backups_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Both ranks: a rank-local pool, two requests decoding, a finished prefix filling the pool
-    but one token (one less than the step needs), every backup in flight; rank 0's real reading
-    drifts at every read (a co-tenant's 0-4 tokens, as kvcached's cached reading drifts). The
+    but one token (one less than the step needs), every backup in flight; then each rank's real
+    reading drifts at every read (a co-tenant's 0-5 tokens, differently on each rank, as
+    kvcached's cached reading drifts). The
     ranks must decide alike: wait, evict the prefix, decode both."""
+    assert h.physical is not None
+    h.physical.take(0)  # the setup fills the pool exactly; the readings drift once it is full
     batch = _start_decoding(h)
     _fill_with_a_finished_prefix(h, left_free=1)
-    if rank == 0:
-        assert h.physical is not None
-        h.physical.drift(_drifting(0))
+    h.physical.drift(_drifting(rank))
     step = _decode_step(h, batch)
     step["uniform_free"] = h.token_to_kv_pool_allocator.uniform_available_size()
     return step

@@ -128,10 +128,14 @@ def _diverged_round_loads_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any
     # Its client aborts it while queued (it holds nothing after the put-back): the ranks'
     # trees differ, and the next round would diverge again on the prefix rank 0 loaded.
     sched.waiting_queue.remove(req)
+    assert h.physical is not None
+    h.physical.take(0)  # the co-tenants leave: sglang's idle check compares the pool with its total
     out["idle"] = []
     for _ in range(3):
         h.prepare_next_round()
         out["idle"].append(_load_state(h, names))
+    if _fully_idle(h):  # what on_idle does before its leak check
+        sched._release_agreed_free_space()
     out["idle_leaks"] = h.idle_leak_report()
 
     for prefix in SHARED:

@@ -180,14 +180,15 @@ def test_a_step_behind_a_chunk_still_in_flight_waits_a_step_then_releases_it() -
 
 def _parked_chunk_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Both ranks: a rank-local pool, one request decoding, a parked chunk, decoded until full;
-    rank 0's real reading drifts at every read (a co-tenant's 0-4 tokens, as kvcached's cached
-    reading drifts). The ranks must decide alike: release the chunk and decode the request."""
+    then each rank's real reading drifts at every read (a co-tenant's 0-5 tokens, differently on
+    each rank, as kvcached's cached reading drifts). The ranks must decide alike: release the
+    chunk and decode the request."""
+    assert h.physical is not None
+    h.physical.take(0)  # the setup fills the pool exactly; the readings drift once it is full
     batch = _start_decoding(h, 1)
     long = _park_a_chunk(h)
     _decode_until_full(h, batch)
-    if rank == 0:
-        assert h.physical is not None
-        h.physical.drift(_drifting(0))
+    h.physical.drift(_drifting(rank))
     step = _decode_step(h, batch, long)
     step["uniform_free"] = h.token_to_kv_pool_allocator.uniform_available_size()
     return step

@@ -202,6 +202,10 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
         for req in {*(batch.reqs if batch else []), *(retry.reqs if retry else [])}:
             h.finish_request(req)
         h.prepare_next_round()
+        if rank != 0 and h.physical is not None:
+            # Rank 1's drifting co-tenants leave: its pool as it is then has no memory away, so
+            # sglang's idle check can compare it with its total.
+            h.physical.take(0)
         result["idle_leaks_agreed"] = h.idle_leak_report()
         getattr(sched, "_release_agreed_free_space", lambda: None)()  # what on_idle does when idle
         result["idle_leaks_released"] = h.idle_leak_report()
@@ -213,13 +217,14 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
 def _cotenant(h: sh.Harness, leave_free: int) -> Iterator[None]:
     """Another engine maps this rank's GPU memory away until `leave_free` tokens of its KV pool
     can still be mapped (what a kvcached co-tenant does to one GPU: the pool's own free list is
-    untouched); it gives the memory back on exit."""
+    untouched); it gives the memory back on exit (what co-tenants held before comes back)."""
     assert h.physical is not None, "a co-tenant needs an elastic pool"
+    before = h.physical.taken
     h.physical.take(h.physical.uniform() - leave_free)
     try:
         yield
     finally:
-        h.physical.take(0)
+        h.physical.taken = before
 
 
 def _session_slots(h: sh.Harness) -> dict[str, bool] | None:
@@ -254,6 +259,14 @@ def _groups(topology: Topology, rank: int, world: Any, pair: Any, singles: list[
     }
 
 
+def _drift_in_the_background(h: sh.Harness, rank: int) -> None:
+    """Every multi-rank scenario's elastic pool: what co-tenants hold of this rank's GPU changes at
+    every reading (kvcached's TTL-cached physical reading), a few tokens, differently on each
+    rank, unless the scenario takes or drifts the memory itself."""
+    if h.physical is not None:
+        h.physical.drift(_drifting(rank))
+
+
 def _rank_body(
     names: list[str],
     scenarios: Mapping[str, MultiRoundScenario],
@@ -276,10 +289,12 @@ def _rank_body(
                     chunk["kv_tokens"] = kv_tokens[name]
                 chunk.update(configs.get(name, {}))
                 with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
+                    _drift_in_the_background(h, rank)
                     return scenarios[name](h, rank)
             scenario = RANK_SCENARIOS[name]
             groups = _groups(scenario.topology, rank, world, pair, singles)
             with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
+                _drift_in_the_background(h, rank)
                 skewed = rank == 0 and scenario.rank0_free_tokens is not None
                 with _cotenant(h, scenario.rank0_free_tokens or 0) if skewed else contextlib.nullcontext():
                     return _rank_scenario(h, rank, scenario)
