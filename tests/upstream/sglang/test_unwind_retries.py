@@ -14,6 +14,7 @@ and PASS with it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -272,3 +273,36 @@ def test_a_diverged_round_is_counted_as_a_divergence_not_as_a_miss() -> None:
         assert r["unwinds"] == 0
         assert r["metrics"].get("sglang:num_prefill_divergences_total") == 2
         assert r["metrics"].get("sglang:num_prefill_unwinds_total") == 0
+
+
+def _clocks_that_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """A request runs; the next one misses on rank 1 at every attempt (put back on both ranks).
+    Between attempts rank 0's clock advances 20 ms and rank 1's 25 ms (a rank's rounds take as
+    long as they take on it): each rank measures a different time missing."""
+    with envs.SGLANG_PREFILL_UNWIND_DEADLINE_S.override(DEADLINE_S):
+        clock = _fake_clock(h)
+        running = h.add_request(_prompt(0))
+        batch = h.run_round()
+        assert batch is not None
+        h.scheduler.running_batch = batch
+        head = h.add_request(_prompt(1))
+        waited: list[float] = []
+        with h.arm_miss("token_slots") if rank == 1 else contextlib.nullcontext():
+            while head in h.scheduler.waiting_queue and len(waited) < 20:
+                assert h.run_round() is None
+                waited.append(head.prefill_unwind_backoff_s)
+                clock.advance(0.02 if rank == 0 else 0.025)
+    return {"waited": waited, "aborted": [a.rid for a in _abort_outputs(h)], "running": running.finished()}
+
+
+def test_ranks_whose_clocks_differ_abort_the_same_request_in_the_same_round() -> None:
+    """The deadline is the longest time any rank measured (one all-reduce, MAX, on a missed
+    round): both ranks abort the request in the round rank 1's clock passes 50 ms. Each on its
+    own clock, rank 1 would abort it a round before rank 0 and the ranks' queues would split."""
+    from test_rank_agreement import run_two_ranks
+
+    name = "tp_clocks_differ"
+    ranks = run_two_ranks([name], {name: _clocks_that_differ}, {}).scenario(name)
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["waited"] == pytest.approx([0.0, 0.025, 0.05])
+    assert ranks[0]["aborted"] != [] and ranks[0]["running"] is False
