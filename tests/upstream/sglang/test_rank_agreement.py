@@ -497,6 +497,18 @@ def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
     return {**after_race, "agreed": None if agreed is None else [r.rid for r in agreed.reqs]}
 
 
+def _round_outcome(h: sh.Harness) -> Any:
+    """One round: what its batch runs, per request (rid, prefix length, extend end); None where
+    it was put back; or the name of the error that stopped the scheduler."""
+    try:
+        batch = h.run_round()
+    except Exception as error:  # the scheduler stopping
+        return type(error).__name__
+    ran = None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
+    h.prepare_next_round()
+    return ran
+
+
 def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     """The ranks' trees differ (what per-rank eviction did before the ranks agreed on their free
     space): rank 0 has a 32-token prefix cached, rank 1 does not. With 64-token chunks both ranks
@@ -510,15 +522,9 @@ def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     req = h.add_request([*prefix, *range(4000, 4100)])
     outcomes: list[Any] = []
     for _ in range(3):
-        try:
-            batch = h.run_round()
-        except Exception as error:  # the scheduler stopping
-            outcomes.append(type(error).__name__)
+        outcomes.append(_round_outcome(h))
+        if isinstance(outcomes[-1], str):
             break
-        outcomes.append(
-            None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
-        )
-        h.prepare_next_round()
     return {
         "outcomes": outcomes,
         "charged": _charged(req),
@@ -539,15 +545,9 @@ def _chunk_sizes_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     outcomes: list[Any] = []
     for differ in (True, True, False, True, True):
         sched.chunked_prefill_size = own - 16 if differ and rank == 1 else own
-        try:
-            batch = h.run_round()
-        except Exception as error:  # the scheduler stopping
-            outcomes.append(type(error).__name__)
+        outcomes.append(_round_outcome(h))
+        if isinstance(outcomes[-1], str):
             break
-        outcomes.append(
-            None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
-        )
-        h.prepare_next_round()
     return {"outcomes": outcomes, "divergences": sched.num_prefill_divergences}
 
 

@@ -144,23 +144,33 @@ def test_the_bound_is_time_not_rounds(deadline: float) -> None:
         assert len(clock.sleeps) == 9  # 5 ... 160 ms, then 250 ms three times
 
 
+def _miss_while_a_request_runs(
+    h: sh.Harness, clock: FakeClock, miss: bool, round_s: float
+) -> tuple[Any, Any, list[float]]:
+    """A request runs; the next one (the head) is retried, missing here where `miss`, until it
+    leaves the queue (at most 20 attempts), each attempt `round_s` after the last. Returns the
+    running request, the head and the time the head had been missing at each attempt."""
+    running = h.add_request(_prompt(0))
+    batch = h.run_round()
+    assert batch is not None
+    h.scheduler.running_batch = batch
+    head = h.add_request(_prompt(1))
+    waited: list[float] = []
+    with h.arm_miss("token_slots") if miss else contextlib.nullcontext():
+        while head in h.scheduler.waiting_queue and len(waited) < 20:
+            assert h.run_round() is None
+            waited.append(head.prefill_unwind_backoff_s)
+            clock.advance(round_s)
+    return running, head, waited
+
+
 def test_no_sleep_while_requests_run_and_the_deadline_is_wall_clock(deadline: float) -> None:
     """With requests running, their decode steps space the attempts: the scheduler does not
     sleep. The deadline is still time: with 20 ms between attempts, the head is aborted at the
     first attempt 50 ms after its first miss (the fourth), not after a count of misses."""
     with sh.build_harness(req_rows=8) as h:
         clock = _fake_clock(h)
-        running = h.add_request(_prompt(0))
-        batch = h.run_round()
-        assert batch is not None
-        h.scheduler.running_batch = batch
-        head = h.add_request(_prompt(1))
-        waited: list[float] = []
-        with h.arm_miss("token_slots"):
-            while head in h.scheduler.waiting_queue and len(waited) < 20:
-                assert h.run_round() is None
-                waited.append(head.prefill_unwind_backoff_s)
-                clock.advance(0.02)
+        running, head, waited = _miss_while_a_request_runs(h, clock, miss=True, round_s=0.02)
         assert clock.sleeps == []
         assert waited == pytest.approx([0.0, 0.02, 0.04, 0.06])
         assert [a.rid for a in _abort_outputs(h)] == [head.rid]
@@ -281,17 +291,8 @@ def _clocks_that_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     long as they take on it): each rank measures a different time missing."""
     with envs.SGLANG_PREFILL_UNWIND_DEADLINE_S.override(DEADLINE_S):
         clock = _fake_clock(h)
-        running = h.add_request(_prompt(0))
-        batch = h.run_round()
-        assert batch is not None
-        h.scheduler.running_batch = batch
-        head = h.add_request(_prompt(1))
-        waited: list[float] = []
-        with h.arm_miss("token_slots") if rank == 1 else contextlib.nullcontext():
-            while head in h.scheduler.waiting_queue and len(waited) < 20:
-                assert h.run_round() is None
-                waited.append(head.prefill_unwind_backoff_s)
-                clock.advance(0.02 if rank == 0 else 0.025)
+        round_s = 0.02 if rank == 0 else 0.025
+        running, _, waited = _miss_while_a_request_runs(h, clock, miss=rank == 1, round_s=round_s)
     return {"waited": waited, "aborted": [a.rid for a in _abort_outputs(h)], "running": running.finished()}
 
 
