@@ -633,8 +633,9 @@ def _idle_round_keeps_the_cap(h: sh.Harness, rank: int) -> dict[str, Any]:
 
 
 def _drifting(start: int) -> Iterator[int]:
-    """What co-tenants hold of rank 0's GPU, changing at every reading (kvcached caches its
-    physical reading for 100 ms, refreshed by its own and not by a sibling's calls)."""
+    """What co-tenants hold of one rank's GPU, from `start` tokens, changing at every reading
+    (kvcached caches its physical reading for 100 ms, refreshed by its own and not by a
+    sibling's calls)."""
     return itertools.cycle([start + step for step in (0, 3, 1, 4, 2)])
 
 
