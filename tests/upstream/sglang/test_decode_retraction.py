@@ -80,8 +80,7 @@ def _start_decoding(h: sh.Harness) -> ScheduleBatch:
 def _fill_with_a_finished_prefix(h: sh.Harness, left_free: int = 0) -> None:
     """A finished request's prefix takes the rest of the pool but `left_free` tokens, its backup
     in flight too (sized from the free space every rank counts alike)."""
-    allocator = h.token_to_kv_pool_allocator
-    free = getattr(allocator, "uniform_available_size", allocator.available_size)() - left_free
+    free = h.free_counts()["kv_tokens"] - left_free
     h.cache_prefix(list(range(FILLER_START, FILLER_START + free)))
 
 
@@ -124,8 +123,8 @@ def _behind_backups_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Both ranks: a rank-local pool, two requests decoding, a finished prefix filling the pool
     but one token (one less than the step needs), every backup in flight; then each rank's real
     reading drifts at every read (a co-tenant's 0-5 tokens, differently on each rank, as
-    kvcached's cached reading drifts). The
-    ranks must decide alike: wait, evict the prefix, decode both."""
+    kvcached's cached reading drifts). The ranks must decide alike: wait, evict the prefix,
+    decode both."""
     assert h.physical is not None
     h.physical.take(0)  # the setup fills the pool exactly; the readings drift once it is full
     batch = _start_decoding(h)
