@@ -43,6 +43,7 @@ Line numbers in comments are for python/sglang/srt/managers/scheduler.py at 0.5.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -860,6 +861,19 @@ class Harness:
             enable_metrics=True, metrics_collector=collector
         )
         return RecordingMetric.created
+
+    @contextlib.contextmanager
+    def nothing_in_flight(self) -> Iterator[None]:
+        """The event loop's state with nothing in flight, which the harness does not build: no
+        last batch, no result queued (0.5.20: its one PP stage drained). What
+        `Scheduler.is_fully_idle()` and `on_idle` read besides the queues and pools."""
+        sched = self.scheduler
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(sched, "last_batch", None, create=True))
+            stack.enter_context(mock.patch.object(sched, "result_queue", collections.deque(), create=True))
+            if hasattr(sched, "_pp_microbatches_drained"):
+                stack.enter_context(mock.patch.object(sched, "_pp_microbatches_drained", lambda: True))
+            yield
 
     # ---- pool state ---------------------------------------------------------------------
     def free_counts(self) -> dict[str, int]:

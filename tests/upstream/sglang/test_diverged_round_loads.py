@@ -45,8 +45,6 @@ except `test_loads_started_alike_are_released_alike`, which pins what holds eith
 
 from __future__ import annotations
 
-import collections
-import contextlib
 from typing import Any
 from unittest import mock
 
@@ -67,15 +65,17 @@ Ranks = dict[int, dict[str, Any]]
 
 
 def _fully_idle(h: sh.Harness) -> bool:
-    """The real `Scheduler.is_fully_idle()` (what on_idle gates the idle work on), with the two
-    attributes of the event loop the harness does not build: nothing in flight."""
-    sched = h.scheduler
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(sched, "last_batch", None, create=True))
-        stack.enter_context(mock.patch.object(sched, "result_queue", collections.deque(), create=True))
-        if hasattr(sched, "_pp_microbatches_drained"):  # 0.5.20: reads the PP state, one stage here
-            stack.enter_context(mock.patch.object(sched, "_pp_microbatches_drained", lambda: True))
-        return bool(sched.is_fully_idle())
+    """The real `Scheduler.is_fully_idle()` (what on_idle gates the idle work on), with nothing
+    in flight in the event loop the harness does not build."""
+    with h.nothing_in_flight():
+        return bool(h.scheduler.is_fully_idle())
+
+
+def _idle_work(h: sh.Harness) -> None:
+    """What on_idle does before its leak check (scheduler.py:5921-5941), only where the
+    scheduler is fully idle: the agreed free space's release."""
+    if _fully_idle(h):
+        h.scheduler._release_agreed_free_space()
 
 
 def _load_state(h: sh.Harness, names: dict[Any, str]) -> dict[str, Any]:
@@ -134,8 +134,7 @@ def _diverged_round_loads_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any
     for _ in range(3):
         h.prepare_next_round()
         out["idle"].append(_load_state(h, names))
-    if _fully_idle(h):  # what on_idle does before its leak check
-        sched._release_agreed_free_space()
+    _idle_work(h)
     out["idle_leaks"] = h.idle_leak_report()
 
     for prefix in SHARED:
@@ -154,11 +153,8 @@ def _diverged_round_loads_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any
     for _ in range(3):
         h.prepare_next_round()
         out["drained"].append(_load_state(h, names))
-    # What on_idle does (scheduler.py:5921-5941): the idle work, the agreed free space's release
-    # included, only where the scheduler is fully idle.
     capacity = sched._prefill_agreement.capacity
-    if _fully_idle(h):
-        sched._release_agreed_free_space()
+    _idle_work(h)
     out["agreement_current_after_idle"] = capacity.current
     out["final_leaks"] = h.idle_leak_report()
     return out

@@ -18,7 +18,6 @@ which pin what the patch must leave alone.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import traceback
@@ -1001,18 +1000,15 @@ def test_the_real_idle_path_reads_the_pools_as_they_are_before_the_leak_check() 
             for name in EVENT_LOOP_OBJECTS:
                 stack.enter_context(mock.patch.object(sched, name, mock.MagicMock(), create=True))
             sched.invariant_checker._check_all_pools.side_effect = check_all_pools
-            # Nothing in flight, no unified memory: the event loop's state when idle.
+            stack.enter_context(h.nothing_in_flight())
+            # No unified memory, no idle sleeper, no load publish yet: the rest of on_idle's state.
             idle_state: dict[str, Any] = {
-                "last_batch": None,
-                "result_queue": collections.deque(),
                 "_last_stall_publish_ts": 0.0,
                 "enable_unified_memory": False,
                 "idle_sleeper": None,
             }
             for name, value in idle_state.items():
                 stack.enter_context(mock.patch.object(sched, name, value, create=True))
-            if hasattr(sched, "_pp_microbatches_drained"):  # 0.5.20: one PP stage here
-                stack.enter_context(mock.patch.object(sched, "_pp_microbatches_drained", lambda: True))
             stack.enter_context(mock.patch("time.sleep"))
             queued = h.add_request(_prompt(1))
             sched.on_idle()  # a request waits: not idle
