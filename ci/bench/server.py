@@ -1,28 +1,35 @@
 """Benchmark: what the series costs a real sglang server on CPU, and what recovering from a natural
 miss costs.
 
-    .venv-test/bin/python ci/bench/server.py [--upstream V] [--repeats 3] [--out build/bench-server]
+    .venv-test/bin/python ci/bench/server.py [--upstream V] [--pairs 6] [--repeats 2] [--out DIR]
 
 Not a test. The line is prepared as the CPU end-to-end test prepares it (ci/e2e/cpu_line.py: the
 official wheel from the pin, the patched wheel from dist/, built if missing) and served by the
 line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py).
 
-1. The series' cost, nothing missing: the same traffic (TRAFFIC_REQUESTS greedy requests, random
-   prompts of PROMPT_TOKENS_MIN..MAX tokens, OUTPUT_TOKENS new tokens each, CONCURRENCY in flight,
-   streamed) on the pristine and on the patched wheel, servers alternating (pristine, patched,
-   pristine, ...) `--repeats` times, for each of CASES: one rank; two ranks whose KV pool is
-   marked rank-local (as a kvcached pool is: the patched ranks then agree on every admitting
-   prefill round and vote on every decode step, the agreement's real cost); two ranks with a
-   plain pool (no agreement). Per server: requests/s, output tokens/s, time to first token and
-   end-to-end latency (median, p99), and from the hook in rank 0's scheduler the decode steps, the
-   agreement's all-reduces and the wall time spent inside them during the timed traffic (per
-   all-reduce, and as a share of the pass: at most what the agreement costs, as part of it is
-   waiting for the slower rank, which the forward's own all-reduce would wait for otherwise); per
-   case the median over the repeats and the ratio patched/pristine. Targets: throughput ratio
-   >= 0.98 and p99 TTFT ratio <= 1.05 in every case.
+1. The series' cost, nothing missing: for each of CASES a pristine and a patched server run side
+   by side, both with `--sleep-on-idle` so that the one not being timed sleeps on its sockets
+   (0.04 of a core measured with two ranks, against 1.4 cores spinning without it), and the timed
+   passes alternate between them in ABBA order (pristine, patched, patched, pristine, ...),
+   `--pairs` passes each. The pair of passes i sends both servers the same traffic
+   (PASS_REQUESTS greedy requests, random prompts of PROMPT_TOKENS_MIN..MAX tokens, OUTPUT_TOKENS
+   new tokens each, CONCURRENCY in flight, streamed), prompts no earlier pass sent (nothing is
+   served from the prefix cache). Alternating passes on live servers pairs them in time: this
+   machine's speed drifts by up to 2x over minutes, which a server per wheel started minutes
+   apart measured as noise. The cases: one rank; two ranks whose KV pool is marked rank-local
+   (as a kvcached pool is: the patched ranks then agree on every admitting prefill round and
+   vote on every decode step, the agreement's real cost); two ranks with a plain pool (no
+   agreement). Per wheel, over all its passes pooled: requests/s, output tokens/s, time to first
+   token and end-to-end latency (median, p99), and from the hook in rank 0's scheduler the decode
+   steps, the agreement's all-reduces and the wall time spent inside them (per all-reduce, and as
+   a share of the timed time: at most what the agreement costs, as part of it is waiting for the
+   slower rank, which the forward's own all-reduce would wait for otherwise); the ratio
+   patched/pristine, and each pair's throughput ratio (its spread is the noise). Targets:
+   throughput ratio >= 0.98 and p99 TTFT ratio <= 1.05 in every case.
 2. Recovery from a natural miss (NATURAL in ci/e2e/e2e_harness/scenarios.py): the patched server
-   on the natural traffic next to the same traffic on a pool large enough not to miss: wall time,
-   latency median and p99, and their ratios (printed, no target: the price of not crashing).
+   on the natural traffic next to the same traffic on a pool large enough not to miss, a server
+   per pass, `--repeats` of each: wall time, latency median and p99, and their ratios (printed,
+   no target: the price of not crashing).
 
 Prints a table last, writes report.json to --out. Exit 0 when every target holds, 1 when one does
 not, 2 when the line cannot be prepared or a server does not serve the traffic.
@@ -70,7 +77,7 @@ from e2e_harness.verdicts import read_counters  # noqa: E402
 
 from sglang_carry.errors import CarryError  # noqa: E402
 
-TRAFFIC_REQUESTS = 96
+PASS_REQUESTS = 48
 PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX = 64, 256
 OUTPUT_TOKENS = 32
 CONCURRENCY = 8
@@ -85,6 +92,8 @@ POOL_FLAGS = (
     "--max-running-requests",
     "16",
 )
+# The server not being timed sleeps on its sockets instead of spinning (the same on both wheels).
+SIDE_BY_SIDE_FLAGS = ("--sleep-on-idle",)
 THROUGHPUT_TARGET = 0.98
 TTFT_P99_TARGET = 1.05
 REQUEST_TIMEOUT_S = 120.0
@@ -157,14 +166,47 @@ def rank0_counts(folder: Path) -> dict[str, int]:
     return dict.fromkeys(HOOK_COUNTERS, 0)
 
 
-def plan_bench_traffic(seed: int = 0) -> list[Request]:
+def plan_bench_traffic(seed: int) -> list[Request]:
+    """One pass's traffic. Each pass has a seed of its own, so no pass repeats an earlier prompt."""
     rng = random.Random(seed)
     return [
         Request(
-            f"bench.{i}",
+            f"bench.{seed}.{i}",
             [rng.randrange(3, VOCAB) for _ in range(rng.randint(PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX))],
         )
-        for i in range(TRAFFIC_REQUESTS)
+        for i in range(PASS_REQUESTS)
+    ]
+
+
+def pass_order(pairs: int) -> list[tuple[int, str]]:
+    """(pair, tree) in ABBA order: each wheel goes first in every other pair, so a drift of the
+    machine's speed over the run weighs on both alike."""
+    order: list[tuple[int, str]] = []
+    for pair in range(pairs):
+        trees = ("pristine", "patched") if pair % 2 == 0 else ("patched", "pristine")
+        order += [(pair, tree) for tree in trees]
+    return order
+
+
+def pooled(passes: Sequence[Served]) -> Served:
+    """One wheel's passes as one: requests and time summed, every request's TTFT and latency."""
+    whole = Served(passes[0].tree, 0.0, 0, 0)
+    for served in passes:
+        whole.seconds += served.seconds
+        whole.requests += served.requests
+        whole.output_tokens += served.output_tokens
+        whole.ttft_s += served.ttft_s
+        whole.latency_s += served.latency_s
+        whole.failed += served.failed
+        for key in HOOK_COUNTERS:
+            setattr(whole, key, getattr(whole, key) + getattr(served, key))
+    return whole
+
+
+def pair_throughput_ratios(runs: dict[str, list[Served]]) -> list[float]:
+    return [
+        patched.requests_per_s / pristine.requests_per_s
+        for pristine, patched in zip(runs["pristine"], runs["patched"], strict=True)
     ]
 
 
@@ -239,7 +281,33 @@ class Case:
     concurrency: int
 
 
-def run_server(
+@dataclass
+class Running:
+    """A server up and healthy, and where its rank 0's hook writes its counters."""
+
+    case: Case
+    tree: str
+    server: Server
+    port: int
+    counters: Path
+
+    def timed_pass(self, requests: Sequence[Request]) -> Served:
+        before = rank0_counts(self.counters)
+        served = serve_traffic(
+            self.tree, self.port, requests, self.case.max_new_tokens, self.case.concurrency
+        )
+        after = rank0_counts(self.counters)
+        for key in HOOK_COUNTERS:
+            setattr(served, key, after[key] - before[key])
+        if served.failed:
+            raise RuntimeError(
+                f"{self.case.name} on {self.tree}: {served.failed} request(s) not served"
+                f" (see {self.server.log})"
+            )
+        return served
+
+
+def launch(
     case: Case,
     tree: str,
     site: Path,
@@ -248,7 +316,8 @@ def run_server(
     model: Path,
     out: Path,
     env: dict[str, str],
-) -> Served:
+) -> Running:
+    """Start a server (not yet healthy: see `ready`)."""
     port = free_port()
     extra = [*CPU_FLAGS, *(["--tp-size", str(case.tp)] if case.tp > 1 else [])]
     command = server_command(str(python), model, port, extra, case.flags)
@@ -267,23 +336,50 @@ def run_server(
         server_env |= TWO_RANK_ENV
     if case.rank_local:
         server_env["CARRY_E2E_RANK_LOCAL"] = "1"
-    log = out / "logs" / f"{stamp}.log"
-    server = Server.start(command, server_env, log, port)
+    server = Server.start(command, server_env, out / "logs" / f"{stamp}.log", port)
+    return Running(case, tree, server, port, counters)
+
+
+def ready(running: Running, warm_up: Sequence[Request]) -> None:
+    """Wait until the server is healthy, then serve the warm-up (prompts no timed pass sends)."""
+    if not running.server.wait_healthy(STARTUP_TIMEOUT_S):
+        raise RuntimeError(
+            f"{running.case.name} on {running.tree}: the server never became healthy"
+            f" (see {running.server.log})"
+        )
+    serve_traffic(running.tree, running.port, warm_up, running.case.max_new_tokens, running.case.concurrency)
+
+
+def run_server(case: Case, tree: str, *where: Any) -> Served:
+    """One server, one timed pass (the natural traffic's recovery)."""
+    running = launch(case, tree, *where)
     try:
-        if not server.wait_healthy(STARTUP_TIMEOUT_S):
-            raise RuntimeError(f"{case.name} on {tree}: the server never became healthy (see {log})")
-        # Warm-up, on prompts of its own (a timed prompt must not be in the prefix cache).
-        serve_traffic(tree, port, WARM_UP, case.max_new_tokens, len(WARM_UP))
-        before = rank0_counts(counters)
-        served = serve_traffic(tree, port, case.requests, case.max_new_tokens, case.concurrency)
-        after = rank0_counts(counters)
-        for key in HOOK_COUNTERS:
-            setattr(served, key, after[key] - before[key])
+        ready(running, WARM_UP)
+        return running.timed_pass(case.requests)
     finally:
-        server.stop()
-    if served.failed:
-        raise RuntimeError(f"{case.name} on {tree}: {served.failed} request(s) not served (see {log})")
-    return served
+        running.server.stop()
+
+
+def side_by_side(case: Case, pairs: int, sites: dict[str, Path], *where: Any) -> dict[str, list[Served]]:
+    """A pristine and a patched server up together; `pairs` timed passes each, alternating."""
+    servers = {tree: launch(case, tree, sites[tree], *where) for tree in ("pristine", "patched")}
+    runs: dict[str, list[Served]] = {"pristine": [], "patched": []}
+    try:
+        warm_up = plan_bench_traffic(WARM_UP_SEED)
+        for running in servers.values():
+            ready(running, warm_up)
+        for pair, tree in pass_order(pairs):
+            served = servers[tree].timed_pass(plan_bench_traffic(FIRST_TIMED_SEED + pair))
+            runs[tree].append(served)
+            print(
+                f"bench: {case.name} pass {pair + 1}/{pairs} {tree}:"
+                f" {served.requests_per_s:.2f} req/s, {served.output_tokens_per_s:.1f} tok/s",
+                flush=True,
+            )
+    finally:
+        for running in servers.values():
+            running.server.stop()
+    return runs
 
 
 def over_target(case: str, ratios: dict[str, float]) -> list[str]:
@@ -296,7 +392,8 @@ def over_target(case: str, ratios: dict[str, float]) -> list[str]:
     return failures
 
 
-WARM_UP = plan_bench_traffic(seed=1)[:2]
+WARM_UP_SEED, FIRST_TIMED_SEED = 0, 1
+WARM_UP = plan_bench_traffic(WARM_UP_SEED)[:2]
 # What is timed (a ratio is printed), and what is counted (rank 0, during the timed traffic).
 TIMED = (
     "requests_per_s",
@@ -322,7 +419,12 @@ def median_of(runs: Sequence[Served]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/bench/server.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", help="the sglang line (default: the newest with a series)")
-    parser.add_argument("--repeats", type=int, default=3, help="servers per tree and case, alternating")
+    parser.add_argument(
+        "--pairs", type=int, default=6, help="timed passes per wheel and case, alternating (ABBA)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="servers per pool for the natural traffic's recovery"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench-server")
     parser.add_argument(
         "--cases", default="tp1,tp2,tp2-plain,natural", help="which of tp1, tp2, tp2-plain, natural"
@@ -343,36 +445,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = write_models(out / "models", ["dense"])["dense"]
     env = cpu_env({k: v for k, v in os.environ.items() if not k.startswith("CARRY_E2E_")}, out)
     pythonpath = [CPU_STANDINS, line.server_deps]
-    traffic = tuple(plan_bench_traffic())
     natural = tuple(plan_natural_traffic()[0])
     chosen = [c for c in args.cases.split(",") if c]
-    report: dict[str, Any] = {"upstream": line.version, "repeats": args.repeats, "cases": {}}
+    report: dict[str, Any] = {
+        "upstream": line.version,
+        "pairs": args.pairs,
+        "repeats": args.repeats,
+        "cases": {},
+    }
     lines: list[str] = []
     failures: list[str] = []
     try:
         for name, tp, rank_local, label in CASES:
             if name not in chosen:
                 continue
-            case = Case(name, tp, rank_local, POOL_FLAGS, traffic, OUTPUT_TOKENS, CONCURRENCY)
-            runs: dict[str, list[Served]] = {"pristine": [], "patched": []}
-            for repeat in range(args.repeats):
-                for tree in ("pristine", "patched"):
-                    served = run_server(case, tree, sites[tree], line.python, pythonpath, model, out, env)
-                    runs[tree].append(served)
-                    print(
-                        f"bench: {case.name} {tree} {repeat + 1}/{args.repeats}:"
-                        f" {served.requests_per_s:.2f} req/s, {served.output_tokens_per_s:.1f} tok/s",
-                        flush=True,
-                    )
-            medians = {tree: median_of(served) for tree, served in runs.items()}
-            ratios = {key: medians["patched"][key] / medians["pristine"][key] for key in TIMED}
+            side_by_side_flags: tuple[str, ...] = (*POOL_FLAGS, *SIDE_BY_SIDE_FLAGS)
+            case = Case(name, tp, rank_local, side_by_side_flags, (), OUTPUT_TOKENS, CONCURRENCY)
+            runs = side_by_side(case, args.pairs, sites, line.python, pythonpath, model, out, env)
+            totals = {tree: summary(pooled(served)) for tree, served in runs.items()}
+            ratios = {key: totals["patched"][key] / totals["pristine"][key] for key in TIMED}
+            pairs = pair_throughput_ratios(runs)
             report["cases"][case.name] = {
-                "medians": medians,
+                "pooled": totals,
                 "ratios": ratios,
-                "runs": {tree: [summary(s) for s in served] for tree, served in runs.items()},
+                "pair_throughput_ratios": pairs,
+                "passes": {tree: [summary(s) for s in served] for tree, served in runs.items()},
             }
-            lines += [f"{case.name} ({label}): median of {args.repeats} servers per tree"]
-            lines += table_lines(medians, ratios)
+            lines += [f"{case.name} ({label}): {args.pairs} passes per wheel, alternating, pooled"]
+            lines += table_lines(totals, ratios)
+            lines += [f"  {'pair throughput ratios':<22} " + " ".join(f"{r:.3f}" for r in pairs)]
             failures += over_target(case.name, ratios)
         if "natural" in chosen:
             pool_flags = {
@@ -391,11 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         MAX_NEW_TOKENS,
                         len(natural),
                     )
-                    recovered[name].append(
-                        run_server(
-                            case, "patched", sites["patched"], line.python, pythonpath, model, out, env
-                        )
-                    )
+                    where = (sites["patched"], line.python, pythonpath, model, out, env)
+                    recovered[name].append(run_server(case, "patched", *where))
             medians = {name: median_of(served) for name, served in recovered.items()}
             ratios = {key: medians["natural miss"][key] / medians["no miss"][key] for key in TIMED}
             report["cases"]["natural"] = {"medians": medians, "ratios": ratios}

@@ -102,3 +102,40 @@ def test_an_unfinished_stream_is_a_failed_request(port: int) -> None:
     with pytest.raises(ValueError, match="unfinished"):
         bench.stream(port, Request("a", [5]), 2)
     assert bench.serve_traffic("patched", port, [Request("a", [5])], 2, 1).failed == 1
+
+
+def test_passes_alternate_in_abba_order_so_a_drift_weighs_on_both_wheels() -> None:
+    assert bench.pass_order(3) == [
+        (0, "pristine"),
+        (0, "patched"),
+        (1, "patched"),
+        (1, "pristine"),
+        (2, "pristine"),
+        (2, "patched"),
+    ]
+
+
+def test_every_pass_sends_prompts_of_its_own() -> None:
+    passes = [bench.plan_bench_traffic(seed) for seed in range(3)]
+    prompts = [tuple(request.input_ids) for traffic in passes for request in traffic]
+    assert len(passes[0]) == bench.PASS_REQUESTS and len(set(prompts)) == len(prompts)
+    assert bench.plan_bench_traffic(1) == passes[1]
+
+
+def test_a_wheels_passes_pool_into_one_and_each_pair_gives_a_ratio() -> None:
+    first = bench.Served(
+        "patched", 2.0, 4, 40, [0.1, 0.2], [1.0, 1.0], decode_steps=3, agreement_all_reduces=2
+    )
+    second = bench.Served(
+        "patched", 6.0, 4, 40, [0.3, 0.9], [2.0, 3.0], decode_steps=5, agreement_all_reduces=1
+    )
+    whole = bench.pooled([first, second])
+    assert (whole.seconds, whole.requests, whole.output_tokens) == (8.0, 8, 80)
+    assert whole.ttft_s == [0.1, 0.2, 0.3, 0.9] and whole.latency_s == [1.0, 1.0, 2.0, 3.0]
+    assert (whole.decode_steps, whole.agreement_all_reduces) == (8, 3)
+    assert bench.summary(whole)["requests_per_s"] == 1.0
+    pristine = [bench.Served("pristine", 2.0, 4, 40), bench.Served("pristine", 4.0, 4, 40)]
+    assert bench.pair_throughput_ratios({"pristine": pristine, "patched": [first, second]}) == [
+        1.0,
+        4 / 6 / 1.0,
+    ]
