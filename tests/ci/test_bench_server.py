@@ -139,3 +139,17 @@ def test_a_wheels_passes_pool_into_one_and_each_pair_gives_a_ratio() -> None:
         1.0,
         4 / 6 / 1.0,
     ]
+
+
+def test_the_control_serves_the_pristine_wheel_twice_and_its_pairs_are_its_second_over_its_first() -> None:
+    (control,) = [case for case in bench.CASES if case[0] == "tp2-control"]
+    assert control[3] == ("pristine", "pristine") and bench.SECOND["pristine"] == "pristine again"
+    assert bench.pass_order(2, "pristine", "pristine again") == [
+        (0, "pristine"),
+        (0, "pristine again"),
+        (1, "pristine again"),
+        (1, "pristine"),
+    ]
+    first = [bench.Served("pristine", 2.0, 4, 40)]
+    second = [bench.Served("pristine again", 4.0, 4, 40)]
+    assert bench.pair_throughput_ratios({"pristine": first, "pristine again": second}) == [0.5]
