@@ -11,23 +11,24 @@ line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py
    by side, both with `--sleep-on-idle` so that the one not being timed sleeps on its sockets
    (0.04 of a core measured with two ranks, against 1.4 cores spinning without it), and the timed
    passes alternate between them in ABBA order (pristine, patched, patched, pristine, ...),
-   `--pairs` passes each. The pair of passes i sends both servers the same traffic
-   (PASS_REQUESTS greedy requests, random prompts of PROMPT_TOKENS_MIN..MAX tokens, OUTPUT_TOKENS
-   new tokens each, CONCURRENCY in flight, streamed), prompts no earlier pass sent (nothing is
-   served from the prefix cache). Alternating passes on live servers pairs them in time: this
-   machine's speed drifts by up to 2x over minutes, which a server per wheel started minutes
-   apart measured as noise. The cases: one rank; two ranks whose KV pool is marked rank-local
-   (as a kvcached pool is: the patched ranks then agree on every admitting prefill round and
-   vote on every decode step, the agreement's real cost); two ranks with a plain pool (no
-   agreement); and a control, two ranks serving the pristine wheel twice, whose ratios are what
-   this run's noise alone makes of a ratio (printed, and named when over a target, but not a
-   failure of the series). Per wheel, over all its passes pooled: requests/s, output tokens/s, time to first
-   token and end-to-end latency (median, p99), and from the hook in rank 0's scheduler the decode
-   steps, the agreement's all-reduces and the wall time spent inside them (per all-reduce, and as
-   a share of the timed time: at most what the agreement costs, as part of it is waiting for the
-   slower rank, which the forward's own all-reduce would wait for otherwise); the ratio
-   patched/pristine, and each pair's throughput ratio (its spread is the noise). Targets:
-   throughput ratio >= 0.98 and p99 TTFT ratio <= 1.05 in every case but the control.
+   `--pairs` passes each. The pair of passes i sends both servers the same traffic (PASS_REQUESTS
+   greedy requests, ONE_RANK_PASS_REQUESTS with one rank; random prompts of PROMPT_TOKENS_MIN..MAX
+   tokens, OUTPUT_TOKENS new tokens each, CONCURRENCY in flight, streamed), prompts no earlier
+   pass sent (nothing is served from the prefix cache). Alternating passes on live servers pairs
+   them in time: this machine's speed drifts by up to 2x over minutes, which a server per wheel
+   started minutes apart measured as noise. The cases: one rank; two ranks whose KV pool is marked
+   rank-local (as a kvcached pool is: the patched ranks then agree on every admitting prefill
+   round and vote on every decode step, the agreement's real cost); two ranks with a plain pool
+   (no agreement); and a control, two ranks serving the pristine wheel twice, whose ratios are
+   what this run's noise alone makes of a ratio (printed, and named when over a target, but not a
+   failure of the series). Per wheel, over all its passes pooled: requests/s, output tokens/s,
+   time to first token and end-to-end latency (median, p99), and from the hook in rank 0's
+   scheduler the decode steps, the agreement's all-reduces and the wall time spent inside them
+   (per all-reduce, and as a share of the timed time: at most what the agreement costs, as part of
+   it is waiting for the slower rank, which the forward's own all-reduce would wait for
+   otherwise); the ratio patched/pristine, and each pair's throughput ratio (its spread is the
+   noise). Targets: throughput ratio >= 0.98 and p99 TTFT ratio <= 1.05 in every case but the
+   control.
 2. Recovery from a natural miss (NATURAL in ci/e2e/e2e_harness/scenarios.py): the patched server
    on the natural traffic next to the same traffic on a pool large enough not to miss, a server
    per pass, `--repeats` of each: wall time, latency median and p99, and their ratios (printed,
@@ -79,7 +80,10 @@ from e2e_harness.verdicts import read_counters  # noqa: E402
 
 from sglang_carry.errors import CarryError  # noqa: E402
 
+# Requests per timed pass: about 10 s of two ranks' serving; one rank serves 8x faster, and a
+# pass of 1 s was mostly its ramp up and down, so its passes are 4x longer.
 PASS_REQUESTS = 48
+ONE_RANK_PASS_REQUESTS = 4 * PASS_REQUESTS
 PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX = 64, 256
 OUTPUT_TOKENS = 32
 CONCURRENCY = 8
@@ -172,7 +176,7 @@ def rank0_counts(folder: Path) -> dict[str, int]:
     return dict.fromkeys(HOOK_COUNTERS, 0)
 
 
-def plan_bench_traffic(seed: int) -> list[Request]:
+def plan_bench_traffic(seed: int, requests: int = PASS_REQUESTS) -> list[Request]:
     """One pass's traffic. Each pass has a seed of its own, so no pass repeats an earlier prompt."""
     rng = random.Random(seed)
     return [
@@ -180,7 +184,7 @@ def plan_bench_traffic(seed: int) -> list[Request]:
             f"bench.{seed}.{i}",
             [rng.randrange(3, VOCAB) for _ in range(rng.randint(PROMPT_TOKENS_MIN, PROMPT_TOKENS_MAX))],
         )
-        for i in range(PASS_REQUESTS)
+        for i in range(requests)
     ]
 
 
@@ -285,6 +289,7 @@ class Case:
     requests: tuple[Request, ...]
     max_new_tokens: int
     concurrency: int
+    pass_requests: int = PASS_REQUESTS
 
 
 @dataclass
@@ -372,11 +377,11 @@ def side_by_side(case: Case, pairs: int, sites: dict[str, Path], *where: Any) ->
     servers = {name: launch(case, name, site, *where) for name, site in sites.items()}
     runs: dict[str, list[Served]] = {name: [] for name in sites}
     try:
-        warm_up = plan_bench_traffic(WARM_UP_SEED)
+        warm_up = plan_bench_traffic(WARM_UP_SEED, case.pass_requests)
         for running in servers.values():
             ready(running, warm_up)
         for pair, tree in pass_order(pairs, *sites):
-            served = servers[tree].timed_pass(plan_bench_traffic(FIRST_TIMED_SEED + pair))
+            served = servers[tree].timed_pass(plan_bench_traffic(FIRST_TIMED_SEED + pair, case.pass_requests))
             runs[tree].append(served)
             print(
                 f"bench: {case.name} pass {pair + 1}/{pairs} {tree}:"
@@ -473,7 +478,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             first, second = wheels
             case_sites = {first: sites[first], SECOND[second]: sites[second]}
             side_by_side_flags: tuple[str, ...] = (*POOL_FLAGS, *SIDE_BY_SIDE_FLAGS)
-            case = Case(name, tp, rank_local, side_by_side_flags, (), OUTPUT_TOKENS, CONCURRENCY)
+            pass_requests = ONE_RANK_PASS_REQUESTS if tp == 1 else PASS_REQUESTS
+            case = Case(
+                name, tp, rank_local, side_by_side_flags, (), OUTPUT_TOKENS, CONCURRENCY, pass_requests
+            )
             runs = side_by_side(case, args.pairs, case_sites, line.python, pythonpath, model, out, env)
             totals = {server: summary(pooled(served)) for server, served in runs.items()}
             ratios = {key: totals[SECOND[second]][key] / totals[first][key] for key in TIMED}

@@ -120,6 +120,7 @@ def test_every_pass_sends_prompts_of_its_own() -> None:
     prompts = [tuple(request.input_ids) for traffic in passes for request in traffic]
     assert len(passes[0]) == bench.PASS_REQUESTS and len(set(prompts)) == len(prompts)
     assert bench.plan_bench_traffic(1) == passes[1]
+    assert len(bench.plan_bench_traffic(1, bench.ONE_RANK_PASS_REQUESTS)) == 4 * bench.PASS_REQUESTS
 
 
 def test_a_wheels_passes_pool_into_one_and_each_pair_gives_a_ratio() -> None:
