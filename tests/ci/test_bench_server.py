@@ -154,3 +154,13 @@ def test_the_control_serves_the_pristine_wheel_twice_and_its_pairs_are_its_secon
     first = [bench.Served("pristine", 2.0, 4, 40)]
     second = [bench.Served("pristine again", 4.0, 4, 40)]
     assert bench.pair_throughput_ratios({"pristine": first, "pristine again": second}) == [0.5]
+
+
+def test_the_controls_misses_are_noise_and_a_cases_fail_the_run() -> None:
+    over = {"requests_per_s": 0.9, "ttft_p99_ms": 1.0}
+    noise_only = bench.misses_by_kind("tp2-control", ("pristine", "pristine"), over)
+    assert noise_only == ([], ["tp2-control: throughput ratio 0.9000 < 0.98"])
+    assert bench.misses_by_kind("tp2", ("pristine", "patched"), over) == (
+        ["tp2: throughput ratio 0.9000 < 0.98"],
+        [],
+    )
