@@ -99,7 +99,7 @@ POOL_FLAGS = (
     "16",
 )
 # The server not being timed sleeps on its sockets instead of spinning (the same on both wheels).
-SIDE_BY_SIDE_FLAGS = ("--sleep-on-idle",)
+SIDE_BY_SIDE_FLAGS: tuple[str, ...] = (*POOL_FLAGS, "--sleep-on-idle")
 THROUGHPUT_TARGET = 0.98
 TTFT_P99_TARGET = 1.05
 REQUEST_TIMEOUT_S = 120.0
@@ -486,10 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             first, second = wheels
             case_sites = {first: sites[first], SECOND[second]: sites[second]}
-            side_by_side_flags: tuple[str, ...] = (*POOL_FLAGS, *SIDE_BY_SIDE_FLAGS)
             pass_requests = ONE_RANK_PASS_REQUESTS if tp == 1 else PASS_REQUESTS
             case = Case(
-                name, tp, rank_local, side_by_side_flags, (), OUTPUT_TOKENS, CONCURRENCY, pass_requests
+                name, tp, rank_local, SIDE_BY_SIDE_FLAGS, (), OUTPUT_TOKENS, CONCURRENCY, pass_requests
             )
             runs = side_by_side(case, args.pairs, case_sites, line.python, pythonpath, model, out, env)
             totals = {server: summary(pooled(served)) for server, served in runs.items()}
