@@ -1034,3 +1034,19 @@ def test_gdn_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference(
     assert not differing.ok and differing.verdict.startswith(
         "0 failed, outputs equal control: False (6 differ)"
     )
+
+
+@pytest.mark.parametrize("guaranteed", [True, False])
+def test_a_rank_local_pool_says_what_cannot_miss_only_in_a_run_that_makes_no_miss(guaranteed: bool) -> None:
+    """The carried scheduler skips the decode vote on steps the pool's `guaranteed_available_size`
+    covers, so the hook gives that reading (the real free list) only where no allocation can miss:
+    a step run without a vote that missed would stop one rank while its peer runs."""
+
+    class Allocator:
+        def available_size(self) -> int:
+            return 7
+
+    given = hook.give_uniform_readings([Allocator], guaranteed=guaranteed)
+    assert ("Allocator.guaranteed_available_size" in given) is guaranteed
+    assert hasattr(Allocator, "guaranteed_available_size") is guaranteed
+    assert Allocator().uniform_available_size() == 7  # type: ignore[attr-defined]

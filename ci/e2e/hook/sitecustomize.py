@@ -67,6 +67,7 @@ L3_COUNTS = ("prefetches_started", "prefetch_termination_checks")
 ALLOC_METHODS = ("alloc", "alloc_extend")
 AVAILABLE_METHOD = "available_size"
 UNIFORM_METHOD = "uniform_available_size"
+GUARANTEED_METHOD = "guaranteed_available_size"
 SAVE_EVERY_S = 0.5
 # Where each tree allocates a prefill batch, first match wins: the patched scheduler calls
 # allocate_for_extend; prepare_for_extend calls it too there, so only one of them is wrapped.
@@ -317,18 +318,22 @@ class Withholder:
         return max(0, size - amount)
 
 
-def give_uniform_readings(classes: Sequence[type]) -> list[str]:
+def give_uniform_readings(classes: Sequence[type], guaranteed: bool) -> list[str]:
     """A pool that declares rank-local free space gives the carried scheduler a reading only its
     own calls change (`uniform_available_size`, kvcached's virtual space): sglang's own allocators'
     `available_size` is such a count (their free list), taken here before any withholding wraps
-    it. Returns what was given one."""
+    it. With `guaranteed` (a run that makes no allocation miss: nothing injected, nothing
+    withheld), the same free list is also what the pool can hand out with no miss
+    (`guaranteed_available_size`, kvcached's mapped memory), as it is: no co-tenant shares it.
+    Returns what was given one."""
     given = []
     for cls in classes:
         real = cls.__dict__.get(AVAILABLE_METHOD)
         if real is None or getattr(real, "_carry_e2e", False):
             continue
-        setattr(cls, UNIFORM_METHOD, real)
-        given.append(f"{cls.__name__}.{UNIFORM_METHOD}")
+        for method in (UNIFORM_METHOD, GUARANTEED_METHOD) if guaranteed else (UNIFORM_METHOD,):
+            setattr(cls, method, real)
+            given.append(f"{cls.__name__}.{method}")
     return given
 
 
@@ -583,7 +588,8 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
             wrap_allocators([base, *all_subclasses(base)], injector)
             if rank_local:
                 base.rank_local_capacity = True
-                give_uniform_readings([base, *all_subclasses(base)])
+                no_miss = injector.limit == 0 and withholder.tokens == 0
+                give_uniform_readings([base, *all_subclasses(base)], guaranteed=no_miss)
             if withholder.tokens > 0:
                 wrap_available_size([base, *all_subclasses(base)], withholder)
 

@@ -530,24 +530,37 @@ class PhysicalMemory:
     map, which is the virtual space less what co-tenants took; an allocation beyond the real free
     space misses, returning None having taken nothing (kvcached's contract). `taken` is read at
     every reading, so a test can make it drift between any two reads, as kvcached's TTL-cached
-    physical reading does."""
+    physical reading does.
+
+    Part of the free space can be memory this rank already holds mapped (`mapped_free`, kvcached's
+    free blocks on its mapped pages): no co-tenant can take it, allocations use it first, and the
+    allocator counts it (`guaranteed_available_size`). None by default. Frees do not add to it
+    (kvcached keeps an emptied page mapped until that reading is taken again: more, never less)."""
 
     def __init__(self, allocator: Any) -> None:
         self.uniform: Callable[[], int] = allocator.available_size
         self.taken: Callable[[], int] = lambda: 0
+        self.mapped_free = 0
         real_alloc = allocator.alloc
 
         def alloc(need_size: int, *args: Any, **kwargs: Any) -> Any:
             if need_size > self.available():
                 return None
+            self.mapped_free -= min(self.mapped_free, need_size)
             return real_alloc(need_size, *args, **kwargs)
 
         allocator.uniform_available_size = self.uniform
         allocator.available_size = self.available
+        allocator.guaranteed_available_size = lambda: self.mapped_free
         allocator.alloc = alloc
 
     def available(self) -> int:
-        return max(0, self.uniform() - self.taken())
+        unmapped = max(0, self.uniform() - self.mapped_free)
+        return self.mapped_free + max(0, unmapped - self.taken())
+
+    def hold_mapped(self, tokens: int) -> None:
+        """This rank holds `tokens` of its free space mapped (at most all of it)."""
+        self.mapped_free = min(tokens, self.uniform())
 
     def take(self, tokens: int) -> None:
         """A co-tenant maps `tokens` of this GPU's memory away (0: gives it all back)."""
