@@ -161,7 +161,8 @@ def _decode_steps(h: sh.Harness, batch: ScheduleBatch, steps: int, votes: list[i
         kept = [] if stepped is None else [r.rid for r in stepped.reqs]
         for req in batch.reqs:
             req.output_ids.append(7)
-        seen.append({"votes": len(votes) - before, "kept": kept, "misses": sched.num_decode_allocation_misses})
+        misses = sched.num_decode_allocation_misses
+        seen.append({"votes": len(votes) - before, "kept": kept, "misses": misses})
     return seen
 
 
