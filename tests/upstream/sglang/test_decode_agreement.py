@@ -182,15 +182,16 @@ def _decode_on_a_credit(h: sh.Harness, rank: int) -> dict[str, Any]:
 
 
 def _decode_credit_after_a_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
-    """The first decode step agrees a credit of 3 steps (rank 1 holds 9 tokens mapped after it).
-    A prefill round then admits a request on rank 1's mapped memory, and its batch joins: the
-    credit no longer holds, so the next step votes (agreeing none: rank 1 holds nothing left) and
-    the one after misses on rank 1 at its vote, alike on both ranks, instead of missing on rank 1
-    alone in a step run without a vote."""
+    """The first decode step agrees a credit of 3 steps (rank 1 holds 11 tokens mapped after it).
+    A prefill round then admits a 5-token request on rank 1's mapped memory, and its batch joins:
+    the old credit no longer holds. The round's own vote agrees a new one after its allocation:
+    rank 1 holds 6 tokens for 4 rows, one step (two, were the joining request's row left out).
+    That step runs without a vote; the next votes and misses on rank 1, alike on both ranks,
+    instead of missing on rank 1 alone in a step run without a vote."""
     batch = _prefilled_batch(h, 3)
     assert h.physical is not None
     votes = _count_votes(h)
-    h.physical.hold_mapped(60 if rank == 0 else 12)
+    h.physical.hold_mapped(60 if rank == 0 else 14)
     if rank == MISSING_RANK:
         h.physical.drift(_drifting(h.physical.uniform()))
     first = _decode_steps(h, batch, 1, votes)
@@ -270,9 +271,9 @@ def test_steps_the_ranks_agreed_no_rank_can_miss_run_without_a_vote(two_ranks: T
     assert ranks[0]["vote_sizes"] == [5]
 
 
-def test_a_prefill_round_ends_the_credit(two_ranks: TwoRanks) -> None:
+def test_a_prefill_round_agrees_the_credit_afresh(two_ranks: TwoRanks) -> None:
     ranks = two_ranks.scenario("tp_decode_credit_prefill")
     assert ranks[0] == ranks[1]
     steps = ranks[0]["steps"]
-    assert [s["votes"] for s in steps[:3]] == [1, 1, 2]
+    assert [s["votes"] for s in steps] == [1, 0, 2, 1]
     assert [s["misses"] for s in steps] == [0, 0, 1, 1]
