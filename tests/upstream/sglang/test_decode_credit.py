@@ -1,0 +1,129 @@
+"""Decode steps the ranks of one group agreed no rank can miss run without a vote (series entry
+"Scheduler: decode steps the ranks agreed no rank can miss run without a vote",
+sgl-project/sglang#34676).
+
+The entry before it makes the ranks vote on every decode step's allocation, since a co-tenant can
+take the memory a step needs on one rank. A step that fits in memory every rank already holds
+mapped cannot miss: the pool says how much (`guaranteed_available_size`, kvcached's free blocks on
+its mapped pages), each vote carries the least reading and the most rows a step can have, and the
+steps that covers run without a vote, the same steps on every rank. Two forked gloo ranks with
+distinct group objects; rank 1's co-tenant holds every page it has not mapped, drifting at every
+reading, and the ranks hold different amounts mapped.
+
+Expected: these tests FAIL without the entry (every step votes) and PASS with it; a credit from
+one rank's own reading instead of the least hangs them, and one that leaves out the rows a step
+or a joining prefill batch adds makes rank 1 miss in a step no rank voted on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import scheduler_harness as sh
+import torch
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from test_decode_agreement import _prefilled_batch
+from test_prefill_unwind import _prompt
+from test_rank_agreement import MISSING_RANK, MultiRoundScenario, TwoRanks, _drifting, run_two_ranks
+
+
+def _count_votes(h: sh.Harness) -> list[int]:
+    """Each all-reduce the scheduler makes over its groups, by its length (a decode vote: 5 with a
+    decode credit), on this rank."""
+    made: list[int] = []
+    real = h.tree_cache._all_reduce_attn_groups
+
+    def all_reduce_attn_groups(tensor: torch.Tensor, op: Any) -> None:
+        made.append(tensor.numel())
+        real(tensor, op)
+
+    h.tree_cache._all_reduce_attn_groups = all_reduce_attn_groups
+    return made
+
+
+def _decode_steps(h: sh.Harness, batch: ScheduleBatch, steps: int, votes: list[int]) -> list[dict[str, Any]]:
+    """Run `steps` decode steps, each as the event loop does (its tokens appended after it ran),
+    noting per step the all-reduces it made, what it kept, and the misses so far."""
+    sched = h.scheduler
+    seen: list[dict[str, Any]] = []
+    for _ in range(steps):
+        before = len(votes)
+        stepped = sched.update_running_batch(batch)
+        kept = [] if stepped is None else [r.rid for r in stepped.reqs]
+        for req in batch.reqs:
+            req.output_ids.append(7)
+        misses = sched.num_decode_allocation_misses
+        seen.append({"votes": len(votes) - before, "kept": kept, "misses": misses})
+    return seen
+
+
+def _decode_on_a_credit(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Three requests decode. Rank 0 holds 60 free tokens mapped, rank 1 thirteen, and a
+    co-tenant takes all rank 1's other memory, drifting at every reading. The first step votes:
+    rank 1 holds 10 after it, the least, so the next 3 steps (3 rows each) run without a vote, on
+    both ranks. Rank 1 then holds 1 token: the next step votes, misses there, and both ranks
+    retract alike."""
+    batch = _prefilled_batch(h, 3)
+    assert h.physical is not None
+    votes = _count_votes(h)
+    h.physical.hold_mapped(60 if rank == 0 else 13)
+    if rank == MISSING_RANK:
+        h.physical.drift(_drifting(h.physical.uniform()))
+    return {"steps": _decode_steps(h, batch, 6, votes), "vote_sizes": sorted(set(votes))}
+
+
+def _decode_credit_after_a_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The first decode step agrees a credit of 3 steps (rank 1 holds 11 tokens mapped after it).
+    A prefill round then admits a 5-token request on rank 1's mapped memory, and its batch joins:
+    the old credit no longer holds. The round's own vote agrees a new one after its allocation:
+    rank 1 holds 6 tokens for 4 rows, one step (two, were the joining request's row left out).
+    That step runs without a vote; the next votes and misses on rank 1, alike on both ranks,
+    instead of missing on rank 1 alone in a step run without a vote."""
+    batch = _prefilled_batch(h, 3)
+    assert h.physical is not None
+    votes = _count_votes(h)
+    h.physical.hold_mapped(60 if rank == 0 else 14)
+    if rank == MISSING_RANK:
+        h.physical.drift(_drifting(h.physical.uniform()))
+    first = _decode_steps(h, batch, 1, votes)
+    h.add_request(_prompt(100, 5))
+    joined = h.run_round()
+    assert joined is not None and len(joined.reqs) == 1
+    joined.reqs[0].output_ids.append(7)
+    h.prepare_next_round()
+    batch.merge_batch(joined)
+    h.scheduler.running_batch = batch
+    return {"steps": first + _decode_steps(h, batch, 3, votes)}
+
+
+CREDIT_SCENARIOS: dict[str, MultiRoundScenario] = {
+    "tp_decode_credit": _decode_on_a_credit,
+    "tp_decode_credit_prefill": _decode_credit_after_a_prefill,
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    return run_two_ranks(list(CREDIT_SCENARIOS), CREDIT_SCENARIOS, {})
+
+
+def test_steps_the_ranks_agreed_no_rank_can_miss_run_without_a_vote(two_ranks: TwoRanks) -> None:
+    """The credit is the least of the ranks' readings: both skip the same three votes, and the
+    step after them votes and retracts alike where rank 1 misses."""
+    ranks = two_ranks.scenario("tp_decode_credit")
+    assert ranks[0] == ranks[1]
+    steps = ranks[0]["steps"]
+    assert [s["votes"] for s in steps[:4]] == [1, 0, 0, 0]
+    assert [s["misses"] for s in steps[:4]] == [0, 0, 0, 0]
+    assert steps[4]["misses"] == 1 and steps[4]["votes"] == 2  # the miss, then the retry
+    assert len(steps[4]["kept"]) == 2
+    assert ranks[0]["vote_sizes"] == [5]
+
+
+def test_a_prefill_round_agrees_the_credit_afresh(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_decode_credit_prefill")
+    assert ranks[0] == ranks[1]
+    steps = ranks[0]["steps"]
+    assert [s["votes"] for s in steps] == [1, 0, 2, 1]
+    assert [s["misses"] for s in steps] == [0, 0, 1, 1]
