@@ -58,18 +58,28 @@ def _decode_steps(h: sh.Harness, batch: ScheduleBatch, steps: int, votes: list[i
     return seen
 
 
+def _three_decoding_on_mapped_memory(
+    h: sh.Harness, rank: int, rank_1_holds: int
+) -> tuple[ScheduleBatch, list[int]]:
+    """Three requests decode; rank 0 holds 60 free tokens mapped, rank 1 `rank_1_holds`, and a
+    co-tenant takes all rank 1's other memory, drifting at every reading. Returns the batch and
+    the all-reduces counted from here."""
+    batch = _prefilled_batch(h, 3)
+    assert h.physical is not None
+    votes = _count_votes(h)
+    h.physical.hold_mapped(60 if rank == 0 else rank_1_holds)
+    if rank == MISSING_RANK:
+        h.physical.drift(_drifting(h.physical.uniform()))
+    return batch, votes
+
+
 def _decode_on_a_credit(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Three requests decode. Rank 0 holds 60 free tokens mapped, rank 1 thirteen, and a
     co-tenant takes all rank 1's other memory, drifting at every reading. The first step votes:
     rank 1 holds 10 after it, the least, so the next 3 steps (3 rows each) run without a vote, on
     both ranks. Rank 1 then holds 1 token: the next step votes, misses there, and both ranks
     retract alike."""
-    batch = _prefilled_batch(h, 3)
-    assert h.physical is not None
-    votes = _count_votes(h)
-    h.physical.hold_mapped(60 if rank == 0 else 13)
-    if rank == MISSING_RANK:
-        h.physical.drift(_drifting(h.physical.uniform()))
+    batch, votes = _three_decoding_on_mapped_memory(h, rank, rank_1_holds=13)
     return {"steps": _decode_steps(h, batch, 6, votes), "vote_sizes": sorted(set(votes))}
 
 
@@ -80,12 +90,7 @@ def _decode_credit_after_a_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
     rank 1 holds 6 tokens for 4 rows, one step (two, were the joining request's row left out).
     That step runs without a vote; the next votes and misses on rank 1, alike on both ranks,
     instead of missing on rank 1 alone in a step run without a vote."""
-    batch = _prefilled_batch(h, 3)
-    assert h.physical is not None
-    votes = _count_votes(h)
-    h.physical.hold_mapped(60 if rank == 0 else 14)
-    if rank == MISSING_RANK:
-        h.physical.drift(_drifting(h.physical.uniform()))
+    batch, votes = _three_decoding_on_mapped_memory(h, rank, rank_1_holds=14)
     first = _decode_steps(h, batch, 1, votes)
     h.add_request(_prompt(100, 5))
     joined = h.run_round()
