@@ -104,6 +104,8 @@ THROUGHPUT_TARGET = 0.98
 TTFT_P99_TARGET = 1.05
 REQUEST_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 900.0
+# Starts of one server whose port another process bound first.
+PORT_ATTEMPTS = 3
 # Two CPU ranks need their OpenMP cores named (sglang's CPU engine).
 TWO_RANK_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 # name, ranks, the pool marked rank-local (the patched ranks then agree), the two servers' wheels,
@@ -351,21 +353,30 @@ def launch(
     return Running(case, tree, server, port, counters)
 
 
-def ready(running: Running, warm_up: Sequence[Request]) -> None:
-    """Wait until the server is healthy, then serve the warm-up (prompts no timed pass sends)."""
-    if not running.server.wait_healthy(STARTUP_TIMEOUT_S):
-        raise RuntimeError(
-            f"{running.case.name} on {running.tree}: the server never became healthy"
-            f" (see {running.server.log})"
-        )
+def start_healthy(case: Case, tree: str, site: Path, *where: Any) -> Running:
+    """Start a server and wait until it is healthy. Its port is picked free before the server
+    binds it, and the other server side by side binds ports of its own meanwhile: a server that
+    found its port taken is started again on another, up to PORT_ATTEMPTS times."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        running = launch(case, tree, site, *where)
+        if running.server.wait_healthy(STARTUP_TIMEOUT_S):
+            return running
+        running.server.stop()
+        if not running.server.port_taken() or attempt == PORT_ATTEMPTS:
+            break
+    raise RuntimeError(f"{case.name} on {tree}: the server never became healthy (see {running.server.log})")
+
+
+def warm(running: Running, warm_up: Sequence[Request]) -> None:
+    """Serve the warm-up (prompts no timed pass sends)."""
     serve_traffic(running.tree, running.port, warm_up, running.case.max_new_tokens, running.case.concurrency)
 
 
 def run_server(case: Case, tree: str, *where: Any) -> Served:
     """One server, one timed pass (the natural traffic's recovery)."""
-    running = launch(case, tree, *where)
+    running = start_healthy(case, tree, *where)
     try:
-        ready(running, WARM_UP)
+        warm(running, WARM_UP)
         return running.timed_pass(case.requests)
     finally:
         running.server.stop()
@@ -374,12 +385,14 @@ def run_server(case: Case, tree: str, *where: Any) -> Served:
 def side_by_side(case: Case, pairs: int, sites: dict[str, Path], *where: Any) -> dict[str, list[Served]]:
     """Two servers up together, one per entry of `sites` (what it serves: its site), in that
     order; `pairs` timed passes each, alternating."""
-    servers = {name: launch(case, name, site, *where) for name, site in sites.items()}
+    servers: dict[str, Running] = {}
     runs: dict[str, list[Served]] = {name: [] for name in sites}
     try:
+        for name, site in sites.items():
+            servers[name] = start_healthy(case, name, site, *where)
         warm_up = plan_bench_traffic(WARM_UP_SEED, case.pass_requests)
         for running in servers.values():
-            ready(running, warm_up)
+            warm(running, warm_up)
         for pair, tree in pass_order(pairs, *sites):
             served = servers[tree].timed_pass(plan_bench_traffic(FIRST_TIMED_SEED + pair, case.pass_requests))
             runs[tree].append(served)

@@ -164,3 +164,42 @@ def test_the_controls_misses_are_noise_and_a_cases_fail_the_run() -> None:
         ["tp2: throughput ratio 0.9000 < 0.98"],
         [],
     )
+
+
+def test_a_server_that_found_its_port_taken_starts_again_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port is picked free before the server binds it, and the server beside it binds ports
+    meanwhile: a start that lost its port is retried; any other failure, or the last attempt,
+    stops the bench with the server's log named."""
+
+    class FakeServer:
+        def __init__(self, healthy: bool, taken: bool) -> None:
+            self.healthy, self.taken, self.stopped, self.log = healthy, taken, False, Path("server.log")
+
+        def wait_healthy(self, timeout_s: float) -> bool:
+            return self.healthy
+
+        def port_taken(self) -> bool:
+            return self.taken
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    def starts(*outcomes: tuple[bool, bool]) -> list[FakeServer]:
+        servers = [FakeServer(*outcome) for outcome in outcomes]
+        queue = iter(servers)
+
+        def launch(case: bench.Case, tree: str, site: Path, *where: Any) -> bench.Running:
+            return bench.Running(case, tree, next(queue), 0, Path())  # type: ignore[arg-type]
+
+        monkeypatch.setattr(bench, "launch", launch)
+        return servers
+
+    case = bench.Case("tp2", 2, True, (), (), 32, 8)
+    servers = starts((False, True), (True, False))
+    assert bench.start_healthy(case, "patched", Path()).server is servers[1]  # type: ignore[comparison-overlap]
+    assert servers[0].stopped and not servers[1].stopped
+    for outcomes in (((False, False),), ((False, True),) * bench.PORT_ATTEMPTS):
+        servers = starts(*outcomes)
+        with pytest.raises(RuntimeError, match="never became healthy"):
+            bench.start_healthy(case, "patched", Path())
+        assert all(server.stopped for server in servers)
