@@ -17,6 +17,7 @@ or a joining prefill batch adds makes rank 1 miss in a step no rank voted on.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -102,9 +103,29 @@ def _decode_credit_after_a_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
     return {"steps": first + _decode_steps(h, batch, 3, votes)}
 
 
+def _decode_credit_after_a_put_back_round(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The first decode step agrees a credit of 3 steps (rank 1 holds 11 tokens mapped after it).
+    A prefill round then admits a 5-token request; rank 0's allocation misses, so the round is put
+    back on both ranks, and rank 1 gives back what it allocated, which it no longer holds mapped
+    (kvcached unmaps a page emptied before a reading once that reading is taken, as the round's
+    vote takes it): 6 tokens. A round put back agrees no credit, so the next step votes, and its
+    credit covers one step; the step after votes and misses on rank 1, alike on both ranks. (Had
+    the put-back round left the old credit, rank 1 would miss alone in the third step after it,
+    which no rank voted on.)"""
+    batch, votes = _three_decoding_on_mapped_memory(h, rank, rank_1_holds=14)
+    first = _decode_steps(h, batch, 1, votes)
+    h.add_request(_prompt(100, 5))
+    with h.arm_miss("token_slots") if rank == 0 else contextlib.nullcontext():
+        assert h.run_round() is None
+    h.prepare_next_round()
+    unwinds = sh.num_prefill_unwinds(h)
+    return {"steps": first + _decode_steps(h, batch, 3, votes), "unwinds": unwinds}
+
+
 CREDIT_SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_decode_credit": _decode_on_a_credit,
     "tp_decode_credit_prefill": _decode_credit_after_a_prefill,
+    "tp_decode_credit_put_back": _decode_credit_after_a_put_back_round,
 }
 
 
@@ -132,3 +153,12 @@ def test_a_prefill_round_agrees_the_credit_afresh(two_ranks: TwoRanks) -> None:
     steps = ranks[0]["steps"]
     assert [s["votes"] for s in steps] == [1, 0, 2, 1]
     assert [s["misses"] for s in steps] == [0, 0, 1, 1]
+
+
+def test_a_prefill_round_put_back_ends_the_credit(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_decode_credit_put_back")
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["unwinds"] == 1
+    steps = ranks[0]["steps"]
+    assert [s["votes"] for s in steps] == [1, 1, 0, 2]
+    assert [s["misses"] for s in steps] == [0, 0, 0, 1]
