@@ -136,6 +136,7 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "decode_retractions": 0,
         "decode_steps": 0,
         "agreement_all_reduces": 0,
+        "decode_votes": 0,
         "agreement_us": 0,
         "withheld_amounts": 0,
         "parked_chunk_releases": 0,
@@ -153,6 +154,7 @@ def test_hook_misses_in_a_decode_step_of_two_requests_and_counts_retractions_aft
 
         def prepare_for_decode(self) -> list[int] | None:
             result: list[int] | None = self.allocator.alloc(len(self.reqs))
+            injector.agreement_all_reduce(0)  # the step's vote
             return result
 
         def retract_decode(self, after_allocation_miss: bool = False) -> str:
@@ -168,6 +170,9 @@ def test_hook_misses_in_a_decode_step_of_two_requests_and_counts_retractions_aft
     assert DecodeBatch(allocator, 2).retract_decode() == "retracted"  # upstream's own: not counted
     DecodeBatch(allocator, 2).retract_decode(after_allocation_miss=True)
     assert injector.counts["injected_misses"] == 1 and injector.counts["decode_retractions"] == 1
+    assert injector.counts["decode_steps"] == injector.counts["decode_votes"] == 3
+    injector.agreement_all_reduce(0)  # a prefill round's vote
+    assert injector.counts["decode_votes"] == 3 and injector.counts["agreement_all_reduces"] == 4
 
 
 def test_hook_misses_only_on_the_ranks_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,8 +244,10 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
     injector = hook.Injector(limit=0, counters_dir=tmp_path)
     assert "_prefill_agreement" in hook.wrap_scheduler(Scheduler, injector)
     scheduler = Scheduler()
-    for vote in ([1], [2], [3]):
+    for vote in ([1], [2]):
         scheduler._prefill_agreement.reduce(vote)  # type: ignore[union-attr]
+    with injector.preparing_decode():  # a decode step's vote
+        scheduler._prefill_agreement.reduce([3])  # type: ignore[union-attr]
     assert reduced == [[1], [2], [3]] and scheduler._prefill_agreement is scheduler._prefill_agreement
     plain = Scheduler()
     plain.rank_local = False
@@ -250,8 +257,10 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
     while json.loads((tmp_path / f"{os.getpid()}.json").read_text())["agreement_all_reduces"] != 3:
         assert time.monotonic() < deadline, "the last counts never reached the file"
         time.sleep(0.05)
+    counts = json.loads((tmp_path / f"{os.getpid()}.json").read_text())
+    assert counts["decode_votes"] == 1
     # The time inside them, measured around the real reduce (each took at least 20 ms).
-    assert 60_000 <= json.loads((tmp_path / f"{os.getpid()}.json").read_text())["agreement_us"] < 5_000_000
+    assert 60_000 <= counts["agreement_us"] < 5_000_000
 
 
 class Allocator:
@@ -830,6 +839,31 @@ def test_a_run_names_each_request_whose_output_differs_with_its_unwinds(
     judge(run, outcomes, {"long": [1, 9], "short.0": [3]}, NATURAL)
     assert not run.ok and run.outputs_differing == 1 and run.differing_requests == {"long": 2}
     assert "(1 differ, each with its unwinds: {'long': 2})" in run.verdict
+
+
+@pytest.mark.parametrize(
+    ("steps", "votes", "ok"),
+    [({"0": 40, "1": 40}, {"0": 9, "1": 9}, True), ({"0": 40, "1": 40}, {"0": 9, "1": 41}, False)],
+)
+def test_a_rank_local_control_shows_decode_steps_run_on_the_credit(
+    steps: dict[str, int], votes: dict[str, int], ok: bool
+) -> None:
+    """A rank-local control run (nothing injected, so the decode credit holds): each rank voted on
+    fewer decode steps than it ran, and the verdict says how many of each; a rank that voted on
+    every step fails the run."""
+    run = Run(
+        "dense", "tp2-natural-control", "control", tp=2, scenario="natural", started=True, rank_local=True
+    )
+    run.decode_steps, run.decode_votes = steps, votes
+    judge(run, [traffic.Outcome("long", True, [1])], None, NATURAL)
+    assert run.ok is ok, run.verdict
+    tail = f"decode steps 0:40 1:40, decode votes 0:9 1:{votes['1']}"
+    expected = (
+        f"all requests finished, no miss; {tail}"
+        if ok
+        else f"no decode step ran on the decode credit; {tail}"
+    )
+    assert run.verdict == expected
 
 
 NATURAL_HICACHE_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is NATURAL_HICACHE}

@@ -11,11 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .verdicts import PRISTINE, Run
-
-
-def per_rank(counts: dict[str, int]) -> str:
-    return " ".join(f"{rank}:{n}" for rank, n in sorted(counts.items())) or "-"
+from .verdicts import PRISTINE, Run, per_rank
 
 
 def table(runs: Sequence[Run]) -> list[str]:

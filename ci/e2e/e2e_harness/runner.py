@@ -54,6 +54,7 @@ def run_once(
         spec.withheld_drift,
         scenario.name,
         l3_storage=spec.l3_storage,
+        rank_local=spec.rank_local,
         log=log,
     )
     counters = out / "counters" / f"{model}-{spec.name}"

@@ -39,6 +39,8 @@ class Run:
     scenario: str = HICACHE.name
     # HiCache's L3 tier on (the file backend): its prefetches must have served some prompt.
     l3_storage: bool = False
+    # The pool marked rank-local on every rank (as a kvcached pool is): the patched ranks agree.
+    rank_local: bool = False
     started: bool = False
     # The server could not bind its HTTP port (taken after it was chosen): the run is started again.
     port_taken: bool = False
@@ -78,6 +80,10 @@ class Run:
     # of those in flight (an all-reduce inside admission with the `timeout` policy).
     prefetches: dict[str, int] = field(default_factory=dict)
     prefetch_termination_checks: dict[str, int] = field(default_factory=dict)
+    # Per TP rank: decode steps prepared, and the ranks' votes on their allocation (the agreement's
+    # all-reduces made while a step was prepared).
+    decode_steps: dict[str, int] = field(default_factory=dict)
+    decode_votes: dict[str, int] = field(default_factory=dict)
     verdict: str = ""
     ok: bool = False
     seconds: float = 0.0
@@ -113,6 +119,8 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         run.decode_retractions[rank] = run.decode_retractions.get(rank, 0) + retractions
         released = int(record.get("parked_chunk_releases", 0))
         run.parked_chunk_releases[rank] = run.parked_chunk_releases.get(rank, 0) + released
+        run.decode_steps[rank] = run.decode_steps.get(rank, 0) + int(record.get("decode_steps", 0))
+        run.decode_votes[rank] = run.decode_votes.get(rank, 0) + int(record.get("decode_votes", 0))
         withheld = int(record.get("withheld_readings", 0))
         run.withheld_readings[rank] = run.withheld_readings.get(rank, 0) + withheld
         amounts = int(record.get("withheld_amounts", 0))
@@ -139,6 +147,30 @@ def died_of_allocation(run: Run, injected: bool) -> list[str]:
         for rank, error in run.died_with.items()
         if ALLOCATION_CODE.search(error) and (run.misses.get(rank, 0) > 0 or not injected)
     )
+
+
+def per_rank(counts: dict[str, int]) -> str:
+    return " ".join(f"{rank}:{n}" for rank, n in sorted(counts.items())) or "-"
+
+
+def voted_on_every_decode_step(run: Run) -> bool:
+    """A rank-local run of the patched wheel with nothing injected whose ranks voted on their
+    decode steps' allocations as often as they decoded: no step ran on the decode credit. (With
+    nothing injected the hook gives the pool kvcached's reading of what no co-tenant can take, so
+    the credit holds.)"""
+    every_rank = [str(rank) for rank in range(run.tp)]
+    return (
+        run.kind == CONTROL
+        and run.rank_local
+        and any(run.decode_votes.get(rank, 0) >= run.decode_steps.get(rank, 0) for rank in every_rank)
+    )
+
+
+def decode_votes(run: Run) -> str:
+    """A rank-local run's decode steps and the ranks' votes on them, per rank (empty otherwise)."""
+    if not run.rank_local:
+        return ""
+    return f"; decode steps {per_rank(run.decode_steps)}, decode votes {per_rank(run.decode_votes)}"
 
 
 def complete(
@@ -196,11 +228,13 @@ def judge(
             False,
             f"HANG: {sum(map(timed_out, outcomes))} request(s) timed out, server alive",
         )
+    elif everything and voted_on_every_decode_step(run):
+        run.ok, run.verdict = False, "no decode step ran on the decode credit" + decode_votes(run)
     elif run.kind == CONTROL and not scenario.control_loads_from_host:
         # The reference of a natural run: its pool never missed, so nothing was put back.
         run.ok = everything and not any(run.unwinds.values()) and not run.died_with
         run.verdict = (
-            "all requests finished, no miss"
+            "all requests finished, no miss" + decode_votes(run)
             if run.ok
             else f"{run.failed} failed, unwinds {run.unwinds}, died with {run.died_with or 'nothing'}"
         )
@@ -215,6 +249,7 @@ def judge(
         )
         run.verdict = (
             f"all requests finished, host hits seen{', Mamba states loaded' if scenario.mamba_state else ''}"
+            + decode_votes(run)
             if run.ok
             else f"{run.failed} failed, host-cached tokens {run.host_cached_tokens},"
             f" loads {run.loads_started}, Mamba loads {run.mamba_loads},"

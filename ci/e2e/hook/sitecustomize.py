@@ -113,6 +113,9 @@ class Injector:
             # and decode steps alike): what the agreement costs, in collectives.
             "decode_steps": 0,
             "agreement_all_reduces": 0,
+            # Those made while a decode step was prepared (its allocation vote): fewer than the
+            # decode steps where steps ran on an agreed decode credit, without a vote.
+            "decode_votes": 0,
             # Wall-clock microseconds this rank spent inside those all-reduces (waiting for the
             # slower rank included): at most what the agreement costs the step.
             "agreement_us": 0,
@@ -142,6 +145,22 @@ class Injector:
         """Around a decode step's preparation: its allocation is eligible when the batch holds
         DECODE_MISS_MIN_REQUESTS requests or more."""
         return self._eligible_while(len(getattr(batch, "reqs", ())) >= DECODE_MISS_MIN_REQUESTS)
+
+    @contextlib.contextmanager
+    def preparing_decode(self) -> Iterator[None]:
+        """Around a decode step's preparation: the agreement's all-reduces inside are its votes."""
+        self._local.preparing_decode = True
+        try:
+            yield
+        finally:
+            self._local.preparing_decode = False
+
+    def agreement_all_reduce(self, spent_us: int) -> None:
+        """One all-reduce of the carried agreement, `spent_us` inside it."""
+        decode_vote = int(getattr(self._local, "preparing_decode", False))
+        self.add(
+            {"agreement_all_reduces": 1, "agreement_us": spent_us, "decode_votes": decode_vote}, SAVE_EVERY_S
+        )
 
     @contextlib.contextmanager
     def _eligible_while(self, eligible: bool) -> Iterator[None]:
@@ -381,10 +400,11 @@ def wrap_decode_preparation(batch_class: type, injector: Injector, misses: bool 
 
     def prepare_for_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
         injector.count("decode_steps", SAVE_EVERY_S)
-        if not misses:
-            return prepare(self, *args, **kwargs)
-        with injector.decoding(self):
-            return prepare(self, *args, **kwargs)
+        with injector.preparing_decode():
+            if not misses:
+                return prepare(self, *args, **kwargs)
+            with injector.decoding(self):
+                return prepare(self, *args, **kwargs)
 
     def retract_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("after_allocation_miss"):
@@ -487,8 +507,7 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
             def reduce(tensor: Any) -> None:
                 started = time.perf_counter()
                 made.reduce(tensor)
-                spent_us = round(1e6 * (time.perf_counter() - started))
-                injector.add({"agreement_all_reduces": 1, "agreement_us": spent_us}, SAVE_EVERY_S)
+                injector.agreement_all_reduce(round(1e6 * (time.perf_counter() - started)))
 
             return made._replace(reduce=reduce)
 
