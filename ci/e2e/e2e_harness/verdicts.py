@@ -91,6 +91,11 @@ class Run:
     log: str = ""
 
     @property
+    def every_rank(self) -> list[str]:
+        """The run's TP ranks, as the per-rank counters name them."""
+        return [str(rank) for rank in range(self.tp)]
+
+    @property
     def injected_misses(self) -> int:
         return sum(self.misses.values())
 
@@ -158,11 +163,10 @@ def voted_on_every_decode_step(run: Run) -> bool:
     decode steps' allocations as often as they decoded: no step ran on the decode credit. (With
     nothing injected the hook gives the pool kvcached's reading of what no co-tenant can take, so
     the credit holds.)"""
-    every_rank = [str(rank) for rank in range(run.tp)]
     return (
         run.kind == CONTROL
         and run.rank_local
-        and any(run.decode_votes.get(rank, 0) >= run.decode_steps.get(rank, 0) for rank in every_rank)
+        and any(run.decode_votes.get(rank, 0) >= run.decode_steps.get(rank, 0) for rank in run.every_rank)
     )
 
 
@@ -194,7 +198,7 @@ def judge(
         run.differing_requests = {key: run.unwound_requests.get(key, 0) for key in differing_keys}
         run.outputs_differing = len(differing_keys)
         run.outputs_equal_control = run.outputs_differing == 0
-    every_rank = [str(rank) for rank in range(run.tp)]
+    every_rank = run.every_rank
     unwound_everywhere = all(run.recoveries.get(rank, 0) > 0 for rank in every_rank)
     prefetches_checked_everywhere = all(run.prefetch_termination_checks.get(rank, 0) for rank in every_rank)
     if not run.started and run.port_taken:
