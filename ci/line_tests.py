@@ -5,7 +5,9 @@
 Each run is one pytest process in that line's test environment (built here if needed), with
 CARRY_TREE_<NAME> at a worktree of each line's carry/<version> branch under build/line-tests/; see
 sglang_carry/testenv.py for which lines run when. Stops at the first run that fails, so the
-output ends with that run's pytest summary. ./scripts/test runs the `every` schedule.
+output ends with that run's pytest summary. ./scripts/test runs the `every` schedule. Laying a line
+down switches its checkout to carry/<version>; each checkout is put back on the branch it was found
+on when the runs end (sglang_carry/trees.py), so the tests after these import the line they meant.
 """
 
 # ruff: noqa: E402  (the tool is imported from this checkout, after sys.path names it)
@@ -27,6 +29,7 @@ from sglang_carry.git import Git
 from sglang_carry.patching import apply
 from sglang_carry.project import Project
 from sglang_carry.testenv import EVERY, NIGHTLY, CiRun, ci_runs
+from sglang_carry.trees import found_branch_restored
 from sglang_carry.verify import tree_env_var
 
 
@@ -73,14 +76,18 @@ def main() -> int:
             for run in runs:
                 print(f"{run.label}\t{run.env.name}\t{run.env.venv.relative_to(ROOT)}")
             return 0
-        for run in runs:
-            code = run_one(project, run, pytest_options)
-            if code != 0:
-                return code
+        with found_branch_restored(project, sorted(project.pins())) as not_restored:
+            code = 0
+            for run in runs:
+                code = run_one(project, run, pytest_options)
+                if code != 0:
+                    break
+        for problem in not_restored:
+            print(f"line-tests: error: {problem}", file=sys.stderr)
+        return code or (1 if not_restored else 0)
     except CarryError as exc:
         print(f"line-tests: error: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 server's extra dependencies, all made from this checkout by the tool's library.
 
 - the pristine wheel: the pin's file (fetched, hash-checked, if missing);
-- the patched wheel: dist/<the line's artifact>; if missing, the line is laid down (`carry apply`:
-  upstream/sglang is then on carry/V, as after `./scripts/build`) and the wheel built;
+- the patched wheel: dist/<the line's artifact>; if missing, the line is laid down (`carry apply`)
+  and the wheel built, and upstream/sglang is put back on the branch it was found on;
 - the series without its load wait: the line's series minus the entry whose `Test:` is
   LOAD_WAIT_TEST, applied with `git am` onto upstream/V in a scratch worktree, whose package
   folder is copied out (the worktree is then removed: nothing is left in upstream/sglang but
@@ -37,6 +37,7 @@ from sglang_carry.pins import select_file  # noqa: E402
 from sglang_carry.project import Project, Target, select_targets  # noqa: E402
 from sglang_carry.series import Series  # noqa: E402
 from sglang_carry.testenv import env_for  # noqa: E402
+from sglang_carry.trees import found_branch_restored  # noqa: E402
 
 LOAD_WAIT_TEST = "tests/upstream/sglang/test_unwind_waits_for_load.py"
 SERVER_DEPS = "carry-e2e-server"
@@ -86,8 +87,11 @@ def patched_wheel(project: Project, target: Target, series: Series) -> Path:
     wheel = project.dist_dir / artifact_name(pinned, target.version, local)
     if not wheel.exists():
         print(f"e2e: building {wheel.name}", flush=True)
-        apply(project, target)
-        wheel = build(project, target)
+        with found_branch_restored(project, [target.name]) as not_restored:
+            apply(project, target)
+            wheel = build(project, target)
+        if not_restored:
+            raise CarryError(not_restored[0])
     return wheel
 
 

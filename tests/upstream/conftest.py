@@ -1,7 +1,8 @@
 """Tests of the carried fixes import the REAL upstream packages from a tree on disk.
 
-`carry verify` points CARRY_TREE_<NAME> at a worktree of the commit under test (pristine, or with
-some patches); otherwise the tree is the checkout's carry branch, upstream/<name>/<subdir>.
+`carry verify` and the line tests point CARRY_TREE_<NAME> at a worktree of the commit under test
+(pristine, or with some patches); otherwise the tree is the default line's carry branch, whatever
+branch upstream/<name> is on (sglang_carry/trees.py).
 """
 
 from __future__ import annotations
@@ -13,21 +14,35 @@ from pathlib import Path
 
 import pytest
 
+from sglang_carry.errors import CarryError
 from sglang_carry.project import Project
+from sglang_carry.trees import default_tree
 from sglang_carry.verify import tree_env_var
 
 ROOT = Path(__file__).resolve().parents[2]
-# Each pinned package's tree: its checkout and the folder the package's code is in (the pins say).
 PROJECT = Project(ROOT)
-TREES = {name: PROJECT.checkout(name) / upstream.source_subdir for name, upstream in PROJECT.pins().items()}
+NAMES = sorted(PROJECT.pins())
+
+
+def _named_tree(name: str) -> Path:
+    named = os.environ.get(tree_env_var(name))
+    if named:
+        return Path(named).resolve()
+    try:
+        return default_tree(PROJECT, name).folder.resolve()
+    except CarryError as error:
+        raise pytest.UsageError(f"no {name} tree to test: {error}") from None
+
+
+# Resolved once per run: a worktree is refreshed at most once, and every test sees the same tree.
+TREES = {name: _named_tree(name) for name in NAMES}
 
 
 def upstream_tree(name: str) -> Path:
-    return Path(os.environ.get(tree_env_var(name), TREES[name])).resolve()
+    return TREES[name]
 
 
-for _name in TREES:
-    _tree = upstream_tree(_name)
+for _name, _tree in TREES.items():
     if not _tree.is_dir():
         raise pytest.UsageError(
             f"no {_name} tree at {_tree}: run `./scripts/carry fetch && ./scripts/carry apply` first"

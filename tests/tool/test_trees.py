@@ -1,0 +1,89 @@
+"""The tree a test run imports is the default line's, whatever branch the checkout is on; a command
+that switches the checkout for a while puts it back where it found it."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_carry.errors import CarryError
+from sglang_carry.patching import apply
+from sglang_carry.trees import default_tree, found_branch_restored
+
+from .conftest import DemoProject, git
+from .test_lines import carry_fix_and_pin_a_new_release
+
+
+def two_lines(demo: DemoProject) -> None:
+    """demo 1.0 with a fix, 1.1 (the default line) carrying nothing, both laid down; the checkout
+    is left on the OLD line, as the line tests left sglang's on 0.5.20."""
+    carry_fix_and_pin_a_new_release(demo)
+    marker = demo.series_dir.with_name("1.1") / "carries-nothing"
+    marker.parent.mkdir()
+    marker.write_text("1.1 has the fix upstream\n")
+    assert apply(demo.project, demo.target(version="1.1")).exit_code == 0
+    assert apply(demo.project, demo.target(version="1.0")).exit_code == 0
+
+
+def branch(demo: DemoProject) -> str:
+    return git(demo.checkout, "symbolic-ref", "--short", "HEAD").stdout.strip()
+
+
+def test_the_default_lines_tree_while_the_checkout_is_on_another_line(demo: DemoProject) -> None:
+    two_lines(demo)
+    assert branch(demo) == "carry/1.0"
+    tree = default_tree(demo.project, "demo")
+    assert (tree.target.version, tree.is_checkout) == ("1.1", False)
+    # 1.1's own file, and not 1.0's fixed answer: the tree is the default line's branch.
+    assert (tree.folder / "demo" / "new.py").exists()
+    assert "return 40" in (tree.folder / "demo" / "core.py").read_text()
+    assert branch(demo) == "carry/1.0", "finding the tree must not switch the checkout"
+
+
+def test_the_checkout_itself_while_it_is_on_the_default_line(demo: DemoProject) -> None:
+    two_lines(demo)
+    git(demo.checkout, "checkout", "-q", "carry/1.1")
+    (demo.checkout / "python" / "demo" / "core.py").write_text("EDITED = 1\n")
+    tree = default_tree(demo.project, "demo")
+    assert tree.is_checkout and tree.folder == demo.checkout / "python"
+    assert (tree.folder / "demo" / "core.py").read_text() == "EDITED = 1\n"
+
+
+def test_the_worktree_follows_the_branch_when_it_moves(demo: DemoProject) -> None:
+    two_lines(demo)
+    first = default_tree(demo.project, "demo").folder
+    git(demo.checkout, "checkout", "-q", "carry/1.1")
+    demo.commit_change("python/demo/later.py", "LATER = 1\n", "a later commit on the default line")
+    git(demo.checkout, "checkout", "-q", "carry/1.0")
+    again = default_tree(demo.project, "demo").folder
+    assert again == first and (again / "demo" / "later.py").exists()
+
+
+def test_no_default_branch_is_one_clear_error(demo: DemoProject) -> None:
+    two_lines(demo)
+    git(demo.checkout, "branch", "-D", "carry/1.1")
+    expected = r"upstream/demo has no branch carry/1.1 .*run `./scripts/carry apply`"
+    with pytest.raises(CarryError, match=expected):
+        default_tree(demo.project, "demo")
+
+
+def test_a_command_that_switches_lines_puts_the_checkout_back(demo: DemoProject) -> None:
+    two_lines(demo)
+    git(demo.checkout, "checkout", "-q", "carry/1.1")
+    with found_branch_restored(demo.project, ["demo", "tiny"]) as not_restored:
+        apply(demo.project, demo.target(version="1.0"))
+        assert branch(demo) == "carry/1.0"
+    assert not_restored == []
+    assert branch(demo) == "carry/1.1"
+
+
+def test_work_left_in_the_checkout_is_reported_not_lost(demo: DemoProject) -> None:
+    two_lines(demo)
+    git(demo.checkout, "checkout", "-q", "carry/1.1")
+    with found_branch_restored(demo.project, ["demo"]) as not_restored:
+        apply(demo.project, demo.target(version="1.0"))
+        (demo.checkout / "python" / "demo" / "core.py").write_text("WORK = 1\n")
+    assert branch(demo) == "carry/1.0"
+    assert (demo.checkout / "python" / "demo" / "core.py").read_text() == "WORK = 1\n"
+    assert len(not_restored) == 1
+    assert not_restored[0].startswith("upstream/demo was left on carry/1.0 with work in progress")
+    assert "`git checkout carry/1.1`" in not_restored[0]
