@@ -1035,8 +1035,18 @@ def test_the_gdn_runs_are_in_the_default_run_with_their_controls(monkeypatch: py
     assert {spec.control_name for spec in GDN_SPECS.values()} == {"gdn-control", "tp2-gdn-control"}
     assert GDN.gdn_kernels and GDN.mamba_state and GDN.in_default_run
     # every run of every family in ./scripts/test and the nightly, but the nightly's natural-hicache
+    # and the hybrid natural runs other than LFM2's Mamba checkpoint ones (one rank and two)
     nightly_only = {spec.name for spec, _ in CPU_PLAN if not spec.scenario.in_default_run}
-    assert nightly_only == {f"natural-hicache-{kind}" for kind in ("control", "pristine", "patched")}
+    kinds = ("control", "pristine", "patched")
+    assert nightly_only == {
+        *(f"natural-hicache-{kind}" for kind in kinds),
+        *(
+            f"{ranks}{scenario}-{kind}"
+            for ranks in ("", "tp2-")
+            for scenario in ("gdn-checkpoint", "lfm2-natural", "gdn-natural")
+            for kind in kinds
+        ),
+    }
     assert set(CPU_DEFAULT_RUNS) == set(CPU_RUNS) - nightly_only
     assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS)
     assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)

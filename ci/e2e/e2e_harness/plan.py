@@ -24,8 +24,12 @@ from sglang_carry.errors import CarryError
 from .models import MODELS
 from .scenarios import (
     GDN,
+    GDN_CHECKPOINT,
+    GDN_NATURAL,
     HICACHE,
     LFM2,
+    LFM2_CHECKPOINT,
+    LFM2_NATURAL,
     MAX_TOTAL_TOKENS,
     NATURAL,
     NATURAL_HICACHE,
@@ -122,7 +126,8 @@ def two_ranks(name: str, kind: str, **more: Any) -> RunSpec:
     """A --tp-size 2 run on CPU: the pool rank-local on both ranks (as a kvcached pool is), and
     each rank's OpenMP core named, which sglang's CPU engine requires with more than one rank."""
     omp = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"),)
-    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=omp, **more)
+    extra_env = (*omp, *more.pop("extra_env", ()))
+    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=extra_env, **more)
 
 
 def uneven_ranks(name: str, withheld_tokens: int, **more: Any) -> RunSpec:
@@ -131,6 +136,22 @@ def uneven_ranks(name: str, withheld_tokens: int, **more: Any) -> RunSpec:
     return two_ranks(
         name, PATCHED, miss_ranks=(1,), withheld_tokens=withheld_tokens, withhold_ranks=(0,), **more
     )
+
+
+def hybrid_natural_runs(
+    scenario: Scenario, env: tuple[tuple[str, str], ...] = ()
+) -> tuple[tuple[RunSpec, str], ...]:
+    """A natural scenario's control, pristine and patched runs, on one rank and on two."""
+    name = scenario.name
+    kinds = ((CONTROL, PATCHED), (PRISTINE, PRISTINE), (PATCHED, PATCHED))
+    one = tuple(
+        (RunSpec(f"{name}-{kind}", kind, scenario=scenario, extra_env=env), serves) for kind, serves in kinds
+    )
+    two = tuple(
+        (two_ranks(f"tp2-{name}-{kind}", kind, scenario=scenario, extra_env=env), serves)
+        for kind, serves in kinds
+    )
+    return one + two
 
 
 # The CPU runs, in the order they run (each control before the runs compared with it), each with
@@ -208,6 +229,13 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-lfm2-patched", PATCHED, miss_ranks=(1,), scenario=LFM2), PATCHED),
     # The gated-delta-net hybrid (GDN: Qwen3.5's text model; its Mamba state has a non-empty
     # temporal part, the delta rule's matrix), as LFM2's runs.
+    # A hybrid model's natural death (LFM2_CHECKPOINT, GDN_CHECKPOINT: nothing injected, HiCache
+    # write-through, sglang's own Mamba pool sizing): pristine dies of the Mamba checkpoint's
+    # assertion; the series waits for the copies in flight or skips the checkpoint (0017), every
+    # request finishes, outputs equal the roomy control's. And upstream's KV prefill miss on the
+    # hybrid families (LFM2_NATURAL, GDN_NATURAL), unwound as on the dense model.
+    *hybrid_natural_runs(LFM2_CHECKPOINT, SLOW_COPIES),
+    *hybrid_natural_runs(LFM2_NATURAL),
     (RunSpec("gdn-control", CONTROL, scenario=GDN), PATCHED),
     (RunSpec("gdn-recompute", RECOMPUTE, scenario=GDN), PATCHED),
     (RunSpec("gdn-pristine", PRISTINE, scenario=GDN), PRISTINE),
@@ -216,6 +244,8 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-gdn-control", CONTROL, scenario=GDN), PATCHED),
     (two_ranks("tp2-gdn-pristine", PRISTINE, miss_ranks=(1,), scenario=GDN), PRISTINE),
     (two_ranks("tp2-gdn-patched", PATCHED, miss_ranks=(1,), scenario=GDN), PATCHED),
+    *hybrid_natural_runs(GDN_CHECKPOINT, SLOW_COPIES),
+    *hybrid_natural_runs(GDN_NATURAL),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
 # What `--runs` left out runs (./scripts/test): the runs of every scenario in the default run.

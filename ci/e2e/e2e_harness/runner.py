@@ -55,6 +55,7 @@ def run_once(
         scenario.name,
         l3_storage=spec.l3_storage,
         rank_local=spec.rank_local,
+        mamba_checkpoints=scenario.mamba_checkpoints,
         log=log,
     )
     counters = out / "counters" / f"{model}-{spec.name}"

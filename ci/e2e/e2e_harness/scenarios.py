@@ -8,6 +8,7 @@ plan.CPU_PLAN."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,6 +109,9 @@ class Scenario:
     # A patched run must release a parked chunk (series entry 0015) on every rank, or it showed
     # nothing of what it is for.
     parks_a_chunk: bool = False
+    # Its misses are Mamba checkpoints that find no slot: pristine must die of the Mamba
+    # assertion, and a patched run must recover such misses (series entry 0017) on every rank.
+    mamba_checkpoints: bool = False
     # Its runs are in the default run (./scripts/test); else only where asked for: `--runs all`
     # (the nightly), `--models` naming its model, or `--runs` naming them.
     in_default_run: bool = True
@@ -214,3 +218,58 @@ GDN = Scenario(
     first_line="0.5.20",
     recompute_flags=LFM2.recompute_flags,
 )
+# A hybrid model's natural death (series entry 0017): HiCache write-through with chunked prefill
+# and sglang's own Mamba pool sizing, nothing injected. Each chunk's stash and each prefill's end
+# checkpoints the request's Mamba state into the tree (a slot of its own, no_buffer), and each
+# such node stays locked until its host copy is acknowledged at a later step's start; with the
+# copies CARRY_E2E_COPY_DELAY_S late, every slot no running request holds is soon on such a node
+# and the next checkpoint finds none evictable: upstream asserts "Can not alloc mamba cache"
+# (mem_cache/unified_cache/components/mamba.py:552 in 0.5.23), which kills the scheduler. The KV
+# pool is roomy, so the only miss is the Mamba slot's. The control is the same server with a
+# Mamba pool large enough never to run out.
+CHECKPOINT_FLAGS = (
+    *natural_flags(NATURAL_ROOMY_POOL_TOKENS),
+    *NATURAL_HICACHE_FLAGS,
+    "--mamba-radix-cache-strategy",
+    "no_buffer",
+    "--disable-overlap-schedule",
+    "--max-mamba-cache-size",
+)
+LFM2_CHECKPOINT = Scenario(
+    "lfm2-checkpoint",
+    (*CHECKPOINT_FLAGS, "16"),
+    (*CHECKPOINT_FLAGS, "256"),
+    plan_natural_traffic,
+    NATURAL_SHORT_REQUESTS + 1,
+    False,
+    False,
+    model="lfm2",
+    mamba_state=True,
+    mamba_checkpoints=True,
+    first_line=NATURAL.first_line,
+)
+# The same on the gated-delta-net hybrid; in the nightly only (`--runs all`), as GDN's other
+# natural runs: the default run keeps LFM2's (one rank and two).
+GDN_CHECKPOINT = dataclasses.replace(
+    LFM2_CHECKPOINT, name="gdn-checkpoint", model="gdn", gdn_kernels=True, in_default_run=False
+)
+# NATURAL (upstream's KV prefill miss) on the hybrid families: no HiCache, a Mamba pool large
+# enough for the traffic, so the only miss is the KV pool's; the series unwinds it as on the dense
+# model. In the nightly only.
+HYBRID_NATURAL_FLAGS = (
+    "--mamba-radix-cache-strategy",
+    "no_buffer",
+    "--disable-overlap-schedule",
+    "--max-mamba-cache-size",
+    "256",
+)
+LFM2_NATURAL = dataclasses.replace(
+    NATURAL,
+    name="lfm2-natural",
+    flags=(*NATURAL.flags, *HYBRID_NATURAL_FLAGS),
+    control_flags=(*NATURAL.control_flags, *HYBRID_NATURAL_FLAGS),
+    model="lfm2",
+    mamba_state=True,
+    in_default_run=False,
+)
+GDN_NATURAL = dataclasses.replace(LFM2_NATURAL, name="gdn-natural", model="gdn", gdn_kernels=True)

@@ -25,6 +25,11 @@ COMPARING = (PATCHED, WITHOUT_LOAD_WAIT, RECOMPUTE)
 # The pristine scheduler's own exception must be raised where sglang allocates a prefill batch: the
 # allocation helpers (a KV or row miss) or the pools (a Mamba or ping-pong slot assert).
 ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/(allocation|memory_pool)\.py:")
+# Where a Mamba checkpoint that finds no slot dies upstream (the hybrid natural runs).
+MAMBA_CHECKPOINT_ASSERTION = re.compile(
+    r"AssertionError: Can not alloc mamba cache \(raised in \S*sglang/srt/mem_cache/unified_cache/"
+    r"components/mamba\.py:_alloc_mamba_slot\)"
+)
 
 
 @dataclass
@@ -39,6 +44,9 @@ class Run:
     scenario: str = HICACHE.name
     # HiCache's L3 tier on (the file backend): its prefetches must have served some prompt.
     l3_storage: bool = False
+    # Its misses are Mamba checkpoints that find no slot (the hybrid natural runs): pristine dies
+    # of the Mamba assertion, and a patched rank recovers each (series entry 0017).
+    mamba_checkpoints: bool = False
     # The pool marked rank-local on every rank (as a kvcached pool is): the patched ranks agree.
     rank_local: bool = False
     started: bool = False
@@ -56,6 +64,8 @@ class Run:
     decode_retractions: dict[str, int] = field(default_factory=dict)
     # Parked chunked requests a decode step released rather than abort its last request.
     parked_chunk_releases: dict[str, int] = field(default_factory=dict)
+    # Mamba slot allocations that found every slot held, rescued or their checkpoint skipped.
+    mamba_slot_misses: dict[str, int] = field(default_factory=dict)
     # Readings of the allocator's available_size() that were reduced (withheld_tokens > 0), and how
     # many different amounts they withheld.
     withheld_readings: dict[str, int] = field(default_factory=dict)
@@ -102,11 +112,15 @@ class Run:
     @property
     def recoveries(self) -> dict[str, int]:
         """What each rank did after a miss, per rank: put the prefill batch back (unwinds), or,
-        after a decode miss, retract."""
+        after a decode miss, retract; or recover a Mamba checkpoint's slot miss."""
+        if self.mamba_checkpoints:
+            return self.mamba_slot_misses
         return self.decode_retractions if self.miss_at == "decode" else self.unwinds
 
     @property
     def recovery(self) -> str:
+        if self.mamba_checkpoints:
+            return "recovered Mamba slot misses"
         return "retracted after a decode miss" if self.miss_at == "decode" else "unwound"
 
 
@@ -124,6 +138,8 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         run.decode_retractions[rank] = run.decode_retractions.get(rank, 0) + retractions
         released = int(record.get("parked_chunk_releases", 0))
         run.parked_chunk_releases[rank] = run.parked_chunk_releases.get(rank, 0) + released
+        slot_misses = int(record.get("mamba_slot_misses", 0))
+        run.mamba_slot_misses[rank] = run.mamba_slot_misses.get(rank, 0) + slot_misses
         run.decode_steps[rank] = run.decode_steps.get(rank, 0) + int(record.get("decode_steps", 0))
         run.decode_votes[rank] = run.decode_votes.get(rank, 0) + int(record.get("decode_votes", 0))
         withheld = int(record.get("withheld_readings", 0))
@@ -146,11 +162,13 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
 
 def died_of_allocation(run: Run, injected: bool) -> list[str]:
     """The ranks whose scheduler's own exception was raised in sglang's prefill allocation code
-    (and, where the misses are injected, that had one injected)."""
+    (and, where the misses are injected, that had one injected); in a run of Mamba checkpoint
+    misses, the ranks that died of the Mamba checkpoint's assertion."""
+    code = MAMBA_CHECKPOINT_ASSERTION if run.mamba_checkpoints else ALLOCATION_CODE
     return sorted(
         rank
         for rank, error in run.died_with.items()
-        if ALLOCATION_CODE.search(error) and (run.misses.get(rank, 0) > 0 or not injected)
+        if code.search(error) and (run.misses.get(rank, 0) > 0 or not injected)
     )
 
 
@@ -236,11 +254,13 @@ def judge(
         run.ok, run.verdict = False, "no decode step ran on the decode credit" + decode_votes(run)
     elif run.kind == CONTROL and not scenario.control_loads_from_host:
         # The reference of a natural run: its pool never missed, so nothing was put back.
-        run.ok = everything and not any(run.unwinds.values()) and not run.died_with
+        missed = any(run.unwinds.values()) or any(run.mamba_slot_misses.values())
+        run.ok = everything and not missed and not run.died_with
         run.verdict = (
             "all requests finished, no miss" + decode_votes(run)
             if run.ok
-            else f"{run.failed} failed, unwinds {run.unwinds}, died with {run.died_with or 'nothing'}"
+            else f"{run.failed} failed, unwinds {run.unwinds}, Mamba slot misses {run.mamba_slot_misses},"
+            f" died with {run.died_with or 'nothing'}"
         )
     elif run.kind == CONTROL:
         mamba_loaded = run.mamba_loads > 0 or not scenario.mamba_state
@@ -271,11 +291,11 @@ def judge(
         if run.server_died or run.failed or run.died_with:
             ranks = died_of_allocation(run, scenario.injects)
             run.ok = bool(ranks)
+            error = "the Mamba checkpoint's assertion" if run.mamba_checkpoints else "the allocation error"
             run.verdict = (
-                f"the scheduler died with the allocation error (as expected; rank {', '.join(ranks)})"
+                f"the scheduler died with {error} (as expected; rank {', '.join(ranks)})"
                 if run.ok
-                else "the server died, but no scheduler of the allocation error"
-                f" ({run.died_with or 'no error recorded'})"
+                else f"the server died, but no scheduler of {error} ({run.died_with or 'no error recorded'})"
             )
         elif scenario.injects:
             run.ok = True

@@ -64,6 +64,9 @@ SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 # HiCache's tree, whose L3 prefetches are counted when the tier is on (CARRY_E2E_L3=1).
 TREE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
 L3_COUNTS = ("prefetches_started", "prefetch_termination_checks")
+# A hybrid model's Mamba tree component, whose slot misses (series entry 0017) are counted.
+MAMBA_COMPONENT_MODULE = "sglang.srt.mem_cache.unified_cache.components.mamba"
+SLOT_MISS_METHOD = "_record_slot_miss"
 ALLOC_METHODS = ("alloc", "alloc_extend")
 AVAILABLE_METHOD = "available_size"
 UNIFORM_METHOD = "uniform_available_size"
@@ -472,6 +475,21 @@ def wrap_prefetches(tree_class: type, injector: Injector) -> None:
     tree_class._can_terminate_prefetch = can_terminate_prefetch  # type: ignore[attr-defined]
 
 
+def wrap_mamba_slot_misses(component_class: type, injector: Injector) -> None:
+    """Count the Mamba slot misses the series recovered from (rescued, or a checkpoint skipped),
+    where the tree's Mamba component records them (the patched trees only)."""
+    injector.counts.setdefault("mamba_slot_misses", 0)
+    record = component_class.__dict__.get(SLOT_MISS_METHOD)
+    if record is None:
+        return
+
+    def record_slot_miss(self: Any, outcome: str) -> Any:
+        injector.count("mamba_slot_misses")
+        return record(self, outcome)
+
+    setattr(component_class, SLOT_MISS_METHOD, record_slot_miss)
+
+
 def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
     """Count the unwinds (where the tree has one) and record the event loop's fatal exception."""
     wrapped = []
@@ -643,6 +661,9 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
                 patches |= carry_e2e_gdn.PATCHES
             carry_e2e_mamba.install_import_time_names()
             patches |= carry_e2e_mamba.PATCHES
+            patches[MAMBA_COMPONENT_MODULE] = lambda module: wrap_mamba_slot_misses(
+                module.MambaComponent, injector
+            )
             injector.watch(
                 lambda: {
                     "mamba_copies_landed": carry_e2e_mamba.copies_landed(),
