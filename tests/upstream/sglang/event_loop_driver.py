@@ -151,6 +151,7 @@ class EventLoopDriver:
         self.scheduler = h.scheduler
         self.worker = FixedTokenWorker(h.scheduler.tp_worker, next_token)
         self.installed: list[str] = []
+        self.detokenizer = sh.FakeTokenizerChannel()  # what the scheduler streams out
         self.iterations: list[Iteration] = []
         _install(self, h)
 
@@ -194,23 +195,250 @@ class EventLoopDriver:
 # --------------------------------------------------------------------------------------------
 # What __init__ would have set
 # --------------------------------------------------------------------------------------------
-def _set(driver: EventLoopDriver, name: str, value: Any) -> None:
-    setattr(driver.scheduler, name, value)
-    driver.installed.append(name)
+class _Installer:
+    """Sets what the loop reads and the harness did not: each name once, listed in `names`."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s = s
+        self.names: list[str] = []
+
+    def missing(self, name: str) -> bool:
+        return not hasattr(self.s, name)
+
+    def set(self, name: str, make: Callable[[], Any]) -> None:
+        """`name` = make(), where the harness did not set it."""
+        if self.missing(name):
+            setattr(self.s, name, make())
+            self.names.append(name)
+
+    def call(self, init: str, sets: tuple[str, ...]) -> None:
+        """Run the real `Scheduler.<init>()`, which sets `sets`, where none of them is set yet."""
+        present = [name for name in sets if not self.missing(name)]
+        if present:
+            raise EventLoopUnsupported(f"{init} would overwrite {present}, which the harness set")
+        method = getattr(self.s, init, None)
+        if not callable(method):
+            raise EventLoopUnsupported(f"this sglang tree's Scheduler has no {init}()")
+        method()
+        self.names.extend(f"{name} ({init})" for name in sets)
+
+    def replace(self, name: str, value: Any, why: str) -> None:
+        setattr(self.s, name, value)
+        self.names.append(f"{name} (replaced: {why})")
 
 
-def _missing(s: Scheduler, name: str) -> bool:
-    return not hasattr(s, name)
+def _rank_in(group: Any) -> int:
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    return int(torch.distributed.get_rank(group))
+
+
+@dataclass(frozen=True)
+class GroupStandIn:
+    """What the scheduler's components read of a `GroupCoordinator` (its CPU group, width and this
+    rank's place), for the harness's gloo groups; the device communicators are not built."""
+
+    cpu_group: Any
+    world_size: int
+    rank_in_group: int
+
+    @staticmethod
+    def of(group: Any) -> GroupStandIn:
+        if group is None or not torch.distributed.is_initialized():
+            return GroupStandIn(group, 1, 0)
+        return GroupStandIn(group, torch.distributed.get_world_size(group), _rank_in(group))
+
+
+def _ranks(cfg: sh.HarnessConfig) -> dict[str, Any]:
+    """A TP rank's place in each group of the harness (no pipeline, no data parallelism), and the
+    groups the scheduler's components read (the profiler takes the TP group's CPU group)."""
+    return {
+        "tp_group": GroupStandIn.of(cfg.tp_cpu_group),
+        "attn_tp_group": GroupStandIn.of(cfg.attn_tp_cpu_group),
+        "attn_cp_group": GroupStandIn.of(cfg.attn_cp_cpu_group),
+        "tp_rank": _rank_in(cfg.tp_cpu_group),
+        "pp_rank": 0,
+        "attn_tp_rank": _rank_in(cfg.attn_tp_cpu_group),
+        "attn_cp_rank": _rank_in(cfg.attn_cp_cpu_group),
+        "attn_dp_rank": 0,
+        "dp_rank": None,
+    }
 
 
 def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
+    """`scheduler.py:N` = 0.5.23's line N."""
+    from sglang.srt.managers import scheduler as scheduler_module
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor,
+    )
+    from sglang.srt.managers.scheduler_components.dp_attn import SchedulerDPAttnAdapter
+    from sglang.srt.managers.scheduler_components.kv_events_publisher import SchedulerKvEventsPublisher
+    from sglang.srt.managers.scheduler_components.logprob_result_processor import (
+        SchedulerLogprobResultProcessor,
+    )
+    from sglang.srt.model_executor.model_runner_components.ngram_embedding_manager import (
+        NgramEmbeddingManager,
+    )
+    from sglang.srt.session.session_controller import SessionController
+
     s = h.scheduler
     if s.enable_overlap:
         raise EventLoopUnsupported(
-            "event_loop_normal runs with --disable-overlap-schedule: build the harness with enable_overlap=False"
+            "event_loop_normal runs with --disable-overlap-schedule: build the harness with "
+            "enable_overlap=False"
         )
-    defaults: dict[str, Callable[[], Any]] = {}
-    for name, make in defaults.items():
-        if _missing(s, name):
-            _set(driver, name, make())
-    _ = collections
+    if getattr(s.metrics_reporter, "enable_metrics", False):
+        raise EventLoopUnsupported("install the driver before Harness.enable_metrics()")
+    cfg = h.cfg
+    rt = sh.runtime_context
+    i = _Installer(s)
+    # This process's ranks, which the real scheduler's process writes when it builds its groups
+    # (bootstrap.init_parallel_runtime, :655): for the harness's life.
+    h._stack.enter_context(rt.get_parallel().override(**_ranks(cfg)))
+
+    # -- __init__'s parsed args (scheduler.py:600-642) ----------------------------------------
+    i.set("enable_pdmux", lambda: rt.get_disagg().enable_pdmux)
+    i.set("enable_overlap_mlx", lambda: False)  # not disable_overlap_schedule and use_mlx()
+    i.set("enable_unified_memory", lambda: rt.get_memory().enable_unified_memory)
+    i.set("attn_dp_enabled", lambda: rt.get_parallel().attn_dp_enabled)
+    i.set("is_generation", lambda: s.model_config.is_generation)  # :1011
+    # -- model worker (init_model_worker :1246-1345) ------------------------------------------
+    i.set("draft_worker", lambda: None)  # maybe_init_draft_worker: no speculative decoding
+    i.set("model_worker", lambda: driver.worker)  # :1324 model_worker = tp_worker: the fake forward
+    i.set("forward_stream", lambda: s.tp_worker.model_runner.forward_stream)  # get_worker_info
+    i.set("require_mlp_sync", scheduler_module.require_mlp_sync)  # :1134
+    i.set("decode_offload_manager", lambda: None)  # :760 (not a PD decode server)
+    i.set("is_hybrid_ssm", lambda: cfg.mamba)  # build_kv_cache result
+    i.set("full_tokens_per_layer", lambda: None)  # build_kv_cache result (no SWA)
+    i.set("swa_tokens_per_layer", lambda: None)
+    # -- running status (init_running_status :1433-1467); the harness set the queue and batch -
+    i.set("gracefully_exit", lambda: False)
+    i.set("last_batch", lambda: None)
+    i.set("cur_batch_for_debug", lambda: None)
+    i.set("result_queue", collections.deque)
+    i.set("enable_continuous_input_polling", lambda: False)
+    i.set("enable_skip_finishing_decode", lambda: False)
+    i.set("forward_ct", lambda: 0)
+    i.set("return_health_check_ipcs", collections.deque)
+    i.set("session_controller", lambda: SessionController(s.tree_cache))
+    i.set("forward_sleep_time", lambda: None)
+    i.set("_engine_paused", lambda: False)
+    # -- IPC (init_ipc_channels :954) and idle sleep (init_idle_sleeper :972) ------------------
+    i.set("load_snapshot_writer", lambda: None)
+    i.call("init_idle_sleeper", ("idle_sleeper",))
+    # -- metrics (init_metrics_collector, init_metrics_reporter :1546, :785) ------------------
+    i.call("init_metrics_collector", ("metrics_collector_context", "metrics_collector"))
+    reporter = scheduler_module.SchedulerMetricsReporter(
+        scheduler=s,
+        metrics_collector_context=s.metrics_collector_context,
+        metrics_collector=s.metrics_collector,
+    )
+    i.replace("metrics_reporter", reporter, "the harness's stub has no reporter methods")
+    i.set("scheduler_stage_metrics", lambda: reporter.scheduler_stage_metrics)  # :786
+    # -- overlap state, also read without overlap (init_overlap :1782) -------------------------
+    if s.future_map is None:
+        i.replace("future_map", None, "init_overlap builds the FutureMap every loop relays through")
+        del s.future_map
+        i.call(
+            "init_overlap",
+            (
+                "device_module",
+                "future_map",
+                "_confidence_budget_prepare",
+                "enable_async_d2h_copy",
+                "async_d2h_worker",
+                "forward_stream_ctx",
+                "copy_stream",
+                "copy_stream_ctx",
+            ),
+        )
+        # init_beam_coordinator (:2765) builds the coordinator after the future map.
+        s.beam_coordinator.future_map = s.future_map
+    # -- components ----------------------------------------------------------------------------
+    i.call("maybe_init_scripted_scheduler_hook", ("scripted_scheduler_hook",))
+    i.call("init_profiler", ("profiler_manager",))
+    i.set(  # maybe_init_ngram_embedding (:1857): the model runner's, off for this model
+        "ngram_embedding_manager",
+        lambda: NgramEmbeddingManager.from_model(
+            model=None,
+            model_config=s.model_config,
+            req_to_token_pool=s.req_to_token_pool,
+            max_running_requests=s.max_running_requests,
+            device=s.device,
+        ),
+    )
+    i.set("use_ngram_embedding", lambda: s.model_config.use_ngram_embedding)
+    i.set(  # init_dp_attn_adapter (:2605); the weight updater's offload_tags start empty
+        "dp_attn_adapter",
+        lambda: SchedulerDPAttnAdapter(
+            model_runner=s.tp_worker.model_runner,
+            req_to_token_pool=s.req_to_token_pool,
+            token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+            tree_cache=s.tree_cache,
+            offload_tags=set(),
+            model_config=s.model_config,
+            enable_overlap=s.enable_overlap,
+            spec_algorithm=s.spec_algorithm,
+            get_require_mlp_sync=lambda: s.require_mlp_sync,
+        ),
+    )
+    i.call("init_pool_stats_observer", ("pool_stats_observer",))
+    i.call("init_invariant_checker", ("invariant_checker",))
+    i.set(  # init_kv_events_publisher (:2676); no kv events configured, so nothing is sent
+        "kv_events_publisher",
+        lambda: SchedulerKvEventsPublisher(
+            kv_events_config=rt.get_observability().kv_events_config,
+            tree_cache=s.tree_cache,
+            send_metrics_from_scheduler=None,
+            max_running_requests=s.max_running_requests,
+            max_total_num_tokens=s.max_total_num_tokens,
+            get_stats=lambda: s.metrics_reporter.stats,
+        ),
+    )
+    i.call("init_load_publisher", ("load_publisher",))
+    # init_load_inquirer (:2693-2704): the step counters _record_step_counters keeps.
+    i.set("total_prefill_uncached_tokens", lambda: 0)
+    i.set("total_prefill_busy_us", lambda: 0)
+    i.set("decode_moment_totals", lambda: [0.0] * 6)
+    i.set("_prev_step", lambda: None)
+    i.set("_prev_prefill_end_ts", lambda: None)
+    i.set("_sched_idled", lambda: False)
+    i.set("_pause_intervals", lambda: collections.deque(maxlen=scheduler_module.PAUSE_WINDOWS_MAX))
+    i.set("_pause_started_at", lambda: None)
+    i.set(  # init_output_streamer (:2751): to the detokenizer, a fake channel (I/O boundary)
+        "output_streamer",
+        lambda: s.get_output_streamer_class()(
+            send_to_detokenizer=driver.detokenizer,
+            tree_cache=s.tree_cache,
+            server_args=s.server_args,
+            is_generation=s.is_generation,
+            spec_algorithm=s.spec_algorithm,
+            disaggregation_mode=s.disaggregation_mode,
+            enable_hicache_storage=lambda: s.enable_hicache_storage or s.enable_lmcache,
+            rust_server=s.rust_server,
+        ),
+    )
+    i.set(  # init_batch_result_processor (:2780), with the harness's beam coordinator
+        "batch_result_processor",
+        lambda: SchedulerBatchResultProcessor(
+            is_generation=s.is_generation,
+            disaggregation_mode=s.disaggregation_mode,
+            enable_overlap=s.enable_overlap,
+            enable_overlap_mlx=s.enable_overlap_mlx,
+            model_config=s.model_config,
+            token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+            tree_cache=s.tree_cache,
+            hisparse_coordinator=s.hisparse_coordinator,
+            req_to_token_pool=s.req_to_token_pool,
+            decode_offload_manager=s.decode_offload_manager,
+            metrics_collector=s.metrics_collector,
+            metrics_reporter=s.metrics_reporter,
+            draft_worker=s.draft_worker,
+            model_worker=s.model_worker,
+            logprob_result_processor=SchedulerLogprobResultProcessor(model_config=s.model_config),
+            output_streamer=s.output_streamer,
+            beam_coordinator=s.beam_coordinator,
+            abort_request=s.abort_request,
+        ),
+    )
+    driver.installed = i.names
