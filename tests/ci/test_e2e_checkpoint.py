@@ -67,7 +67,9 @@ def test_a_checkpoint_run_has_write_through_slow_copies_and_sglangs_own_mamba_si
     for spec in specs(scenario).values():
         assert flag(spec, "--hicache-write-policy") == "write_through", spec.name
         assert flag(spec, "--max-total-tokens") == "16384", spec.name  # no KV miss: only the Mamba slot's
-        assert dict(spec.extra_env)["CARRY_E2E_COPY_DELAY_S"] == "0.3", spec.name
+        # the stand-in's own copy delay: 0.3 s (natural-hicache's) made the patched two-rank
+        # server wait for the copies so long that its requests timed out
+        assert "CARRY_E2E_COPY_DELAY_S" not in dict(spec.extra_env), spec.name
         # sglang caps the running requests by this pool (3 slots a request); the control's is roomy
         assert flag(spec, "--max-mamba-cache-size") == ("256" if spec.kind == "control" else "16"), spec.name
     assert scenario.mamba_checkpoints

@@ -234,7 +234,7 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     # assertion; the series waits for the copies in flight or skips the checkpoint (0017), every
     # request finishes, outputs equal the roomy control's. And upstream's KV prefill miss on the
     # hybrid families (LFM2_NATURAL, GDN_NATURAL), unwound as on the dense model.
-    *hybrid_natural_runs(LFM2_CHECKPOINT, SLOW_COPIES),
+    *hybrid_natural_runs(LFM2_CHECKPOINT),
     *hybrid_natural_runs(LFM2_NATURAL),
     (RunSpec("gdn-control", CONTROL, scenario=GDN), PATCHED),
     (RunSpec("gdn-recompute", RECOMPUTE, scenario=GDN), PATCHED),
@@ -244,7 +244,7 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-gdn-control", CONTROL, scenario=GDN), PATCHED),
     (two_ranks("tp2-gdn-pristine", PRISTINE, miss_ranks=(1,), scenario=GDN), PRISTINE),
     (two_ranks("tp2-gdn-patched", PATCHED, miss_ranks=(1,), scenario=GDN), PATCHED),
-    *hybrid_natural_runs(GDN_CHECKPOINT, SLOW_COPIES),
+    *hybrid_natural_runs(GDN_CHECKPOINT),
     *hybrid_natural_runs(GDN_NATURAL),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)

@@ -222,11 +222,11 @@ GDN = Scenario(
 # and sglang's own Mamba pool sizing, nothing injected. Each chunk's stash and each prefill's end
 # checkpoints the request's Mamba state into the tree (a slot of its own, no_buffer), and each
 # such node stays locked until its host copy is acknowledged at a later step's start; with the
-# copies CARRY_E2E_COPY_DELAY_S late, every slot no running request holds is soon on such a node
-# and the next checkpoint finds none evictable: upstream asserts "Can not alloc mamba cache"
-# (mem_cache/unified_cache/components/mamba.py:552 in 0.5.23), which kills the scheduler. The KV
-# pool is roomy, so the only miss is the Mamba slot's. The control is the same server with a
-# Mamba pool large enough never to run out.
+# CPU stand-in's copies (0.05 s each, one after the other) every slot no running request holds is
+# soon on such a node and the next checkpoint finds none evictable: upstream asserts "Can not
+# alloc mamba cache" (mem_cache/unified_cache/components/mamba.py:552 in 0.5.23), which kills the
+# scheduler. The KV pool is roomy, so the only miss is the Mamba slot's. The control is the same
+# server with a Mamba pool large enough never to run out.
 CHECKPOINT_FLAGS = (
     *natural_flags(NATURAL_ROOMY_POOL_TOKENS),
     *NATURAL_HICACHE_FLAGS,
