@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sglang_carry.git import Git
+from sglang_carry.project import Project, default_target
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_DIR = ROOT / "tests" / "upstream" / "sglang"
@@ -199,7 +200,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", default="0.5.20")
+    parser.add_argument("--version", help="the sglang line (default: the default line, as `carry` picks it)")
     parser.add_argument("--rounds", type=int, default=4000, help="timed rounds per tree")
     parser.add_argument("--block", type=int, default=25, help="rounds per alternating block")
     parser.add_argument("--warmup", type=int, default=200)
@@ -214,6 +215,8 @@ def main() -> int:
         "--before", metavar="REF", help="also time this commit of upstream/sglang (an earlier series)"
     )
     args = parser.parse_args()
+    if args.version is None:
+        args.version = default_target(Project(ROOT), Project(ROOT).pins()["sglang"]).version
     if args.config is None:
         args.config = "page1" if args.phase == "decode" else "mamba"
     if args.phase == "decode" and CONFIGS[args.config].get("ping_pong"):
