@@ -126,8 +126,7 @@ def two_ranks(name: str, kind: str, **more: Any) -> RunSpec:
     """A --tp-size 2 run on CPU: the pool rank-local on both ranks (as a kvcached pool is), and
     each rank's OpenMP core named, which sglang's CPU engine requires with more than one rank."""
     omp = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"),)
-    extra_env = (*omp, *more.pop("extra_env", ()))
-    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=extra_env, **more)
+    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=omp, **more)
 
 
 def uneven_ranks(name: str, withheld_tokens: int, **more: Any) -> RunSpec:
@@ -138,19 +137,12 @@ def uneven_ranks(name: str, withheld_tokens: int, **more: Any) -> RunSpec:
     )
 
 
-def hybrid_natural_runs(
-    scenario: Scenario, env: tuple[tuple[str, str], ...] = ()
-) -> tuple[tuple[RunSpec, str], ...]:
+def hybrid_natural_runs(scenario: Scenario) -> tuple[tuple[RunSpec, str], ...]:
     """A natural scenario's control, pristine and patched runs, on one rank and on two."""
     name = scenario.name
     kinds = ((CONTROL, PATCHED), (PRISTINE, PRISTINE), (PATCHED, PATCHED))
-    one = tuple(
-        (RunSpec(f"{name}-{kind}", kind, scenario=scenario, extra_env=env), serves) for kind, serves in kinds
-    )
-    two = tuple(
-        (two_ranks(f"tp2-{name}-{kind}", kind, scenario=scenario, extra_env=env), serves)
-        for kind, serves in kinds
-    )
+    one = tuple((RunSpec(f"{name}-{kind}", kind, scenario=scenario), serves) for kind, serves in kinds)
+    two = tuple((two_ranks(f"tp2-{name}-{kind}", kind, scenario=scenario), serves) for kind, serves in kinds)
     return one + two
 
 
@@ -227,8 +219,6 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-lfm2-control", CONTROL, scenario=LFM2), PATCHED),
     (two_ranks("tp2-lfm2-pristine", PRISTINE, miss_ranks=(1,), scenario=LFM2), PRISTINE),
     (two_ranks("tp2-lfm2-patched", PATCHED, miss_ranks=(1,), scenario=LFM2), PATCHED),
-    # The gated-delta-net hybrid (GDN: Qwen3.5's text model; its Mamba state has a non-empty
-    # temporal part, the delta rule's matrix), as LFM2's runs.
     # A hybrid model's natural death (LFM2_CHECKPOINT, GDN_CHECKPOINT: nothing injected, HiCache
     # write-through, sglang's own Mamba pool sizing): pristine dies of the Mamba checkpoint's
     # assertion; the series waits for the copies in flight or skips the checkpoint (0017), every
@@ -236,6 +226,8 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     # hybrid families (LFM2_NATURAL, GDN_NATURAL), unwound as on the dense model.
     *hybrid_natural_runs(LFM2_CHECKPOINT),
     *hybrid_natural_runs(LFM2_NATURAL),
+    # The gated-delta-net hybrid (GDN: Qwen3.5's text model; its Mamba state has a non-empty
+    # temporal part, the delta rule's matrix), as LFM2's runs.
     (RunSpec("gdn-control", CONTROL, scenario=GDN), PATCHED),
     (RunSpec("gdn-recompute", RECOMPUTE, scenario=GDN), PATCHED),
     (RunSpec("gdn-pristine", PRISTINE, scenario=GDN), PRISTINE),
