@@ -93,3 +93,14 @@ def test_diverged_rounds_in_a_row_log_one_error_line_with_their_count() -> None:
     lines = [c for c in error.call_args_list if "admitted different prefill batches" in c.args[1]]
     assert diverged == 2 and len(lines) == 1
     assert "since the last report" in lines[0].args[0]
+
+
+def test_each_kind_of_event_has_its_own_report() -> None:
+    """A decode miss reported a moment ago does not silence a parked chunk's release: each kind of
+    event is rate-limited on its own."""
+    warns = mock.patch.object(scheduler_module.logger, "warning")
+    with _parked_chunk_behind(requests=1) as (h, batch, long), warns as warning:
+        assert h.scheduler._report("decode_allocation_miss").due() == 1
+        decode_step_of_parked(h, batch, long)
+    lines = [c for c in warning.call_args_list if "Released the parked chunked request" in c.args[0]]
+    assert len(lines) == 1
