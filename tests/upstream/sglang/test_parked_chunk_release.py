@@ -1,20 +1,20 @@
-"""A decode step that cannot fit even its last request releases a parked chunked request first
-(series entry "Scheduler: a decode step that cannot fit its last request releases a parked
-chunked request").
+"""A decode step short of memory releases a parked chunked request before it retracts anyone
+(series entry "Scheduler: a decode step short of memory releases a parked chunked request before
+it retracts anyone").
 
 A chunked request whose next chunk missed is put back and parked: it keeps its row and the tree
 lock on the chunks it computed while the running requests decode. When they fill the pool,
-upstream's retraction takes every request but one and then aborts that one with "Out of memory
-even after retracting all other requests" (HTTP 500), although the pool's only other KV is the
-parked chunk's, which is making no progress. With the patch the step releases the parked chunk
-instead (its row and lock; it is queued as a retracted request and admitted again later), and
-decodes. Where retraction alone makes room, the chunk stays parked, as upstream would keep it.
+upstream's retraction takes decoding requests (their decoded KV is recomputed later) and, when
+even the last one does not fit, aborts it with "Out of memory even after retracting all other
+requests" (HTTP 500), although the pool's only other KV is the parked chunk's, which is making no
+progress. With the patch the step releases the parked chunk first (its row and lock; it is queued
+as a retracted request and admitted again later) and retracts only if the step still does not fit.
 
-Expected: the first test FAILS without the patch (the decoding request aborted, the chunk still
-parked) and PASSES with it; the second pins what the patch must leave alone (a chunk where
-retraction makes room) and passes either way; the third (a chunk still in flight: wait a step,
-then release) FAILS without the patch; the fourth, on two gloo ranks with rank 0's reading
-drifting, FAILS without the patch and PASSES with it, both ranks deciding alike.
+Expected, each FAILS without the patch and PASSES with it: the last request kept (upstream aborts
+it); two requests short by less than the chunk both kept (releasing the chunk only for the last
+request retracts one); a chunk whose last piece is still in flight not released until its result
+is processed (the step decodes nothing meanwhile; a release while in flight frees KV the forward
+is writing); on two gloo ranks with readings that drift, both ranks deciding alike.
 """
 
 from __future__ import annotations
@@ -149,16 +149,18 @@ def test_a_step_that_cannot_fit_its_last_request_releases_the_parked_chunk(confi
         assert again is not None and again.reqs == [long]
 
 
-def test_a_chunk_stays_parked_where_retraction_makes_room() -> None:
-    """Two requests decode: retracting one makes room for the other, as upstream does; the
-    parked chunk keeps its row and lock."""
+def test_a_step_short_by_less_than_the_parked_chunk_retracts_nobody() -> None:
+    """Two requests decode and their step is short by a token or two, less than the parked
+    chunk's prefix: the step releases the chunk and decodes both. Releasing it only for the last
+    request (after retraction took the other) retracts one request, whose decoded KV is then
+    recomputed, while the chunk, which makes no progress, keeps its row and lock."""
     with _parked_chunk_behind(requests=2) as (h, batch, long):
         step = _decode_step(h, batch, long)
-    assert step["aborted"] == []
-    assert len(step["kept"]) == 1 and len(step["queued"]) == 1
-    assert step["chunk_parked"] and step["chunk_holds_kv"]
-    assert step["unlocked"] == SHORT_TOKENS  # the retracted request's prompt, not the chunk
-    assert step["releases"] == 0
+    assert step["aborted"] == [] and step["queued"] == [long.rid]
+    assert step["kept"] == ["r0", "r1"] and step["step_slots"] == 2
+    assert not step["chunk_parked"] and not step["chunk_holds_kv"]
+    assert step["unlocked"] == CHUNK  # the chunk's prefix, not a retracted request's prompt
+    assert step["releases"] == 1
 
 
 def test_a_step_behind_a_chunk_still_in_flight_waits_a_step_then_releases_it() -> None:
