@@ -1,7 +1,7 @@
 """Benchmark: what the series costs a real sglang server on CPU, and what recovering from a natural
 miss costs.
 
-    .venv-test/bin/python ci/bench/server.py [--upstream V] [--pairs 6] [--repeats 2] [--out DIR]
+    .venv-test/bin/python ci/bench/server.py [--upstream V] [--pairs 6] [--repeats 2] [--judge in-run] [--out DIR]
 
 Not a test. The line is prepared as the CPU end-to-end test prepares it (ci/e2e/cpu_line.py: the
 official wheel from the pin, the patched wheel from dist/, built if missing) and served by the
@@ -27,15 +27,18 @@ line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py
    (per all-reduce, and as a share of the timed time: at most what the agreement costs, as part of
    it is waiting for the slower rank, which the forward's own all-reduce would wait for
    otherwise); the ratio patched/pristine, and each pair's throughput ratio (its spread is the
-   noise). Targets: throughput ratio >= 0.98 and p99 TTFT ratio <= 1.05 in every case but the
-   control.
+   noise). What decides the exit status (--judge): `in-run` (default), the agreement's time in
+   each patched pass at most 1 % of the pass with a rank-local pool and no agreement collective
+   at all otherwise, which a shared 2-core machine can decide; `wall-clock`, the ratios'
+   targets (throughput >= 0.98, p99 TTFT <= 1.05, every case but the control), for a quiet
+   machine. Under `in-run` a missed wall-clock target is printed, not failed.
 2. Recovery from a natural miss (NATURAL in ci/e2e/e2e_harness/scenarios.py): the patched server
    on the natural traffic next to the same traffic on a pool large enough not to miss, a server
    per pass, `--repeats` of each: wall time, latency median and p99, and their ratios (printed,
    no target: the price of not crashing).
 
-Prints a table last, writes report.json to --out. Exit 0 when every target holds, 1 when one does
-not, 2 when the line cannot be prepared or a server does not serve the traffic.
+Prints a table last, writes report.json to --out. Exit 0 when every judged target holds, 1 when
+one does not, 2 when the line cannot be prepared or a server does not serve the traffic.
 """
 
 from __future__ import annotations
@@ -102,6 +105,13 @@ POOL_FLAGS = (
 SIDE_BY_SIDE_FLAGS: tuple[str, ...] = (*POOL_FLAGS, "--sleep-on-idle")
 THROUGHPUT_TARGET = 0.98
 TTFT_P99_TARGET = 1.05
+# The series' own cost measured inside the run: the time rank 0's scheduler spends in the
+# agreement's collectives, as a share of each timed pass of the patched server. At most this with a
+# rank-local pool; none at all (not one collective) with a plain pool or one rank.
+AGREEMENT_SHARE_TARGET = 0.01
+# What decides the exit status: the in-run share (what a shared 2-core machine can decide), or the
+# wall-clock A/B (throughput and p99 TTFT ratios: for a quiet machine, such as the GPU nightly's).
+JUDGES = ("in-run", "wall-clock")
 REQUEST_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 900.0
 # Starts of one server whose port another process bound first.
@@ -426,6 +436,43 @@ def misses_by_kind(
     return ([], missed) if wheels[0] == wheels[1] else (missed, [])
 
 
+def agreement_shares(passes: Sequence[Served]) -> list[float]:
+    """Each timed pass's time inside the agreement's collectives (rank 0), as a share of the pass."""
+    return [served.agreement_us / (1e6 * served.seconds) for served in passes]
+
+
+def over_in_run_target(case: str, rank_local: bool, patched_passes: Sequence[Served]) -> list[str]:
+    """What of the patched server's in-run cost misses its target, one line each: with a rank-local
+    pool a pass whose share is over AGREEMENT_SHARE_TARGET; otherwise any pass that made a
+    collective at all."""
+    failures = []
+    for number, (served, share) in enumerate(
+        zip(patched_passes, agreement_shares(patched_passes), strict=True), 1
+    ):
+        if rank_local and share > AGREEMENT_SHARE_TARGET:
+            failures.append(
+                f"{case}: pass {number}: the agreement took {100 * share:.2f} % of the pass"
+                f" > {100 * AGREEMENT_SHARE_TARGET:.0f} %"
+            )
+        if not rank_local and served.agreement_all_reduces:
+            failures.append(
+                f"{case}: pass {number}: {served.agreement_all_reduces} agreement all-reduce(s) without a"
+                " rank-local pool (none expected)"
+            )
+    return failures
+
+
+def share_line(passes: Sequence[Served]) -> str:
+    """The per-pass shares and their spread, as the table prints them."""
+    shares = [100 * share for share in agreement_shares(passes)]
+    spread = (
+        f"; spread {min(shares):.2f}-{max(shares):.2f} %, stdev {statistics.pstdev(shares):.2f}"
+        if shares
+        else ""
+    )
+    return "  agreement % per pass    " + " ".join(f"{share:.2f}" for share in shares) + spread
+
+
 WARM_UP_SEED, FIRST_TIMED_SEED = 0, 1
 WARM_UP = plan_bench_traffic(WARM_UP_SEED)[:2]
 # What is timed (a ratio is printed), and what is counted (rank 0, during the timed traffic).
@@ -461,6 +508,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench-server")
     parser.add_argument(
+        "--judge",
+        choices=JUDGES,
+        default="in-run",
+        help="what decides the exit status: the agreement's share of each patched pass (default), or"
+        " the wall-clock ratios (a quiet machine, e.g. a GPU)",
+    )
+    parser.add_argument(
         "--cases",
         default="tp1,tp2,tp2-plain,tp2-control,natural",
         help="which of tp1, tp2, tp2-plain, tp2-control, natural",
@@ -487,12 +541,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "upstream": line.version,
         "pairs": args.pairs,
         "repeats": args.repeats,
+        "judge": args.judge,
         "cases": {},
     }
     lines: list[str] = []
     failures: list[str] = []
     # The control's own misses: what this run's noise alone does to a ratio.
     noise: list[str] = []
+    # Under the in-run judgement, the wall-clock targets missed: printed, not failures.
+    wall_clock_misses: list[str] = []
     try:
         for name, tp, rank_local, wheels, label in CASES:
             if name not in chosen:
@@ -517,8 +574,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             lines += table_lines(totals, ratios)
             lines += [f"  {'pair throughput ratios':<22} " + " ".join(f"{r:.3f}" for r in pairs)]
             series_misses, noise_misses = misses_by_kind(case.name, wheels, ratios)
-            failures += series_misses
             noise += noise_misses
+            if "patched" in runs:
+                in_run = over_in_run_target(case.name, rank_local, runs["patched"])
+                report["cases"][case.name]["agreement_shares"] = agreement_shares(runs["patched"])
+                lines += [share_line(runs["patched"])]
+                failures += in_run if args.judge == "in-run" else series_misses
+                wall_clock_misses += series_misses if args.judge == "in-run" else []
         if "natural" in chosen:
             pool_flags = {
                 "no miss": natural_flags(NATURAL_ROOMY_POOL_TOKENS),
@@ -550,8 +612,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["noise"] = noise
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print("\n".join(lines))
+    report["wall_clock_misses"] = wall_clock_misses
     for failure in failures:
         print(f"bench: over target: {failure}")
+    for miss in wall_clock_misses:
+        print(f"bench: wall clock over target (printed; judged by --judge wall-clock): {miss}")
     for miss in noise:
         print(f"bench: the control alone is over target (noise, not the series): {miss}")
     return 1 if failures else 0

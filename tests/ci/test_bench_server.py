@@ -51,6 +51,24 @@ def test_over_target_names_each_ratio_past_its_target() -> None:
     ]
 
 
+def test_the_in_run_judgement_reads_each_patched_pass_share_of_the_agreement() -> None:
+    """With a rank-local pool each pass's time inside the agreement (rank 0) must be at most 1 % of
+    the pass; with a plain pool or one rank the patched server must make no collective at all."""
+    at_target = bench.Served("patched", 10.0, 4, 40, agreement_all_reduces=200, agreement_us=100_000)
+    over = bench.Served("patched", 10.0, 4, 40, agreement_all_reduces=200, agreement_us=101_000)
+    assert bench.agreement_shares([at_target, over]) == pytest.approx([0.01, 0.0101])
+    assert bench.over_in_run_target("tp2", True, [at_target, over]) == [
+        "tp2: pass 2: the agreement took 1.01 % of the pass > 1 %"
+    ]
+    none = bench.Served("patched", 10.0, 4, 40)
+    assert bench.over_in_run_target("tp2-plain", False, [none, none]) == []
+    assert bench.over_in_run_target("tp2-plain", False, [none, at_target]) == [
+        "tp2-plain: pass 2: 200 agreement all-reduce(s) without a rank-local pool (none expected)"
+    ]
+    line = "agreement % per pass    1.00 0.00; spread 0.00-1.00 %, stdev 0.50"
+    assert bench.share_line([at_target, none]) == "  " + line
+
+
 class Streamer(BaseHTTPRequestHandler):
     """Streams as sglang's /generate does (cumulative output ids, then [DONE]); a `last_finish`
     of None ends the stream unfinished."""
