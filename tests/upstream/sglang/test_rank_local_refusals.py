@@ -1,0 +1,132 @@
+"""A rank-local pool where a mode allocates from it at a point no vote covers is refused at
+start-up, by name (series entry "Scheduler: refuse a rank-local pool where a mode allocates
+outside the votes", sgl-project/sglang#34676).
+
+The agreement makes the ranks of a group admit, evict and retract by the same ledger, but only at
+the points it votes on. Two modes allocate from a rank-local pool elsewhere:
+- a PD-disaggregated decode server (`--disaggregation-mode decode`) preallocates KV for incoming
+  transfers in its own event loops, which never make a prefill round, from each rank's drifting
+  reading; upstream requires identical admission there (the sizes of later polling collectives
+  follow it);
+- `--mamba-radix-cache-strategy extra_buffer_lazy` allocates Mamba ping-pong slots after the
+  decode vote, so a slot one rank misses alone changes that rank's tracking only.
+Each is refused when the pool it allocates from is rank-local and more than one rank schedules a
+batch together; one rank alone has nothing to agree with and runs as before. Two forked gloo
+ranks with distinct group objects, the pool's readings drifting on each.
+
+Expected: the two-rank tests FAIL without the entry (the scheduler starts, the agreement built)
+and PASS with it, both ranks refusing alike; the one-rank test passes either way.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+from unittest import mock
+
+import pytest
+import scheduler_harness as sh
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from test_rank_agreement import MultiRoundScenario, TwoRanks, run_two_ranks
+
+LAZY_MAMBA = types.SimpleNamespace(mamba=types.SimpleNamespace(enable_mamba_extra_buffer_lazy=True))
+
+
+def _start_up(h: sh.Harness) -> dict[str, Any]:
+    """What the scheduler's start-up makes of the agreement (it reads the property in __init__):
+    the refusal's message, or that it started."""
+    sched = h.scheduler
+    sched.__dict__.pop("_prefill_agreement", None)
+    try:
+        agreement = sched._prefill_agreement
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"refused": None, "agreed": agreement is not None}
+
+
+def _pd_decode(h: sh.Harness, rank: int) -> dict[str, Any]:
+    sched = h.scheduler
+    mode, sched.disaggregation_mode = sched.disaggregation_mode, DisaggregationMode.DECODE
+    try:
+        return _start_up(h)
+    finally:
+        sched.disaggregation_mode = mode
+
+
+def _pd_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
+    sched = h.scheduler
+    mode, sched.disaggregation_mode = sched.disaggregation_mode, DisaggregationMode.PREFILL
+    try:
+        return _start_up(h)
+    finally:
+        sched.disaggregation_mode = mode
+
+
+def _mamba_pool(h: sh.Harness) -> Any:
+    """What hands out the Mamba slots: the slot allocator where the line has one, else the pool."""
+    pools = h.req_to_token_pool
+    pool = getattr(pools, "mamba_allocator", None) or getattr(pools, "mamba_pool", None)
+    assert pool is not None, "the harness built no Mamba pool"
+    return pool
+
+
+def _lazy_ping_pong(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The Mamba pool rank-local (as kvcached's Mamba allocator is), counted alike on every rank."""
+    pool = _mamba_pool(h)
+    pool.rank_local_capacity = True
+    pool.uniform_available_size = pool.available_size
+    with mock.patch("sglang.srt.managers.scheduler.get_exec", return_value=LAZY_MAMBA):
+        return _start_up(h)
+
+
+def _eager_ping_pong(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """extra_buffer (not lazy) with the same rank-local KV pool: its slots are allocated with the
+    request, inside the voted round; nothing to refuse."""
+    return _start_up(h)
+
+
+SCENARIOS: dict[str, MultiRoundScenario] = {
+    "tp_pd_decode": _pd_decode,
+    "tp_pd_prefill": _pd_prefill,
+    "tp_lazy_ping_pong": _lazy_ping_pong,
+    "tp_eager_ping_pong": _eager_ping_pong,
+}
+CONFIGS = {
+    "tp_lazy_ping_pong": {"mamba": True, "ping_pong": True},
+    "tp_eager_ping_pong": {"mamba": True, "ping_pong": True},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    return run_two_ranks(list(SCENARIOS), SCENARIOS, {}, CONFIGS)
+
+
+def test_a_pd_decode_server_with_a_rank_local_pool_is_refused_by_name(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_pd_decode")
+    assert ranks[0] == ranks[1]
+    refused = ranks[0]["refused"]
+    assert refused is not None and "--disaggregation-mode decode" in refused, ranks[0]
+    assert "with 2 ranks scheduling together" in refused
+
+
+def test_lazy_mamba_ping_pong_slots_from_a_rank_local_pool_are_refused_by_name(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_lazy_ping_pong")
+    assert ranks[0] == ranks[1]
+    refused = ranks[0]["refused"]
+    assert refused is not None and "--mamba-radix-cache-strategy extra_buffer_lazy" in refused, ranks[0]
+
+
+def test_a_pd_prefill_server_and_eager_ping_pong_slots_start(two_ranks: TwoRanks) -> None:
+    """A PD prefill server admits in prefill rounds, which the ranks agree on; eager ping-pong
+    slots come with the admitted request. Both start, with the agreement."""
+    for name in ("tp_pd_prefill", "tp_eager_ping_pong"):
+        ranks = two_ranks.scenario(name)
+        assert ranks[0] == ranks[1] == {"refused": None, "agreed": True}, (name, ranks)
+
+
+def test_one_rank_alone_is_never_refused() -> None:
+    with sh.build_harness(elastic=True) as h:
+        assert _pd_decode(h, 0) == {"refused": None, "agreed": True}
+    with sh.build_harness(elastic=True, mamba=True, ping_pong=True) as h:
+        assert _lazy_ping_pong(h, 0) == {"refused": None, "agreed": True}
