@@ -31,7 +31,12 @@ recover count decode retractions instead of unwinds; and per MODE:
   (counted per rid too), and everything is answered;
 - late-copies: like patched, and (with CARRY_E2E_MAMBA=1) every Mamba load copy lands late;
 - no-mamba-loads: like control, but (with CARRY_E2E_MAMBA=1) no Mamba state is loaded;
-- no-prefetch: like patched, but nothing is prefetched from HiCache's L3 tier.
+- no-prefetch: like patched, but nothing is prefetched from HiCache's L3 tier;
+- metrics-undercount: like patched, but /metrics shows one event fewer on the last rank than its
+  counters (a series counter not incremented where the event happened);
+- no-metrics: like patched, but /metrics answers 404 (a server started without --enable-metrics).
+/metrics shows each rank's counters as the series' Prometheus counters (tp_rank labels, Prometheus
+text with its HELP, TYPE and _created lines).
 With SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR set (HiCache's L3 tier on; the folder must exist) a
 host hit is reported as read from storage (cached_tokens_details.storage), and every rank counts a
 prefetch started and a termination check for it.
@@ -88,7 +93,15 @@ PATCHED_MODES = (
     "no-drift",
     "late-copies",
     "no-prefetch",
+    "metrics-undercount",
+    "no-metrics",
 )
+# The hook's counters and the series' Prometheus counters of the same events.
+METRICS = {
+    "unwinds": "sglang:num_prefill_unwinds_total",
+    "decode_retractions": "sglang:num_decode_allocation_misses_total",
+    "parked_chunk_releases": "sglang:num_parked_chunk_releases_total",
+}
 # HiCache's L3 tier (the file backend), in the folder the run gave it.
 STORAGE_DIR = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
 assert STORAGE_DIR is None or Path(STORAGE_DIR).is_dir(), STORAGE_DIR
@@ -124,6 +137,20 @@ def save_counters() -> None:
             temporary.replace(target)
 
 
+def metrics_page() -> str:
+    lines = []
+    with lock:
+        for counter, metric in METRICS.items():
+            lines += [f"# HELP {metric} The series' counter.", f"# TYPE {metric} counter"]
+            for rank, rank_counts in counts.items():
+                value = rank_counts.get(counter, 0)
+                if MODE == "metrics-undercount" and rank == TP - 1 and value:
+                    value -= 1
+                labels = f'model_name="fake",engine_type="unified",tp_rank="{rank}",pp_rank="0"'
+                lines += [f"{metric}{{{labels}}} {float(value)}", f"{metric}_created{{{labels}}} 1.7e+09"]
+    return "\n".join(lines) + "\n"
+
+
 def log(line: str) -> None:
     print(line, flush=True)
 
@@ -141,6 +168,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if self.path == "/metrics" and MODE != "no-metrics":
+            data = metrics_page().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         self._answer(200 if self.path == "/health" else 404, {})
 
     def do_POST(self) -> None:

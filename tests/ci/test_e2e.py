@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "ci" / "e2e" / "hook"))
 import run_e2e  # noqa: E402
 import sitecustomize as hook  # noqa: E402
 from e2e_harness import (  # noqa: E402
+    metrics,
     plan,
     runner,
     traffic,
@@ -519,6 +520,67 @@ def test_every_kind_meets_its_expectation(tmp_path: Path, control_outputs: dict[
     assert without.verdict == "the hazard showed: 6 of 6 outputs differ from the control run's"
 
 
+def test_a_patched_run_reads_the_series_counters_from_the_servers_metrics(
+    tmp_path: Path, control_outputs: dict[str, list[int]]
+) -> None:
+    """A patched server is started with --enable-metrics and its /metrics scraped after the
+    traffic: its counters must equal the hook's per rank. One event fewer on one rank, or no
+    /metrics at all, fails the run."""
+    patched, _ = _run(tmp_path, "patched", TP2_PATCHED, control_outputs)
+    assert patched.ok and patched.scraped == {
+        "sglang:num_prefill_unwinds_total": {"0": 3, "1": 3},
+        **{
+            name: {"0": 0, "1": 0}
+            for name in (
+                "sglang:num_decode_allocation_misses_total",
+                "sglang:num_parked_chunk_releases_total",
+            )
+        },
+    }, patched
+    assert patched.verdict.endswith("; /metrics: num_prefill_unwinds_total 0:3 1:3")
+    undercounted, _ = _run(tmp_path, "metrics-undercount", TP2_PATCHED, control_outputs)
+    assert not undercounted.ok and undercounted.verdict.endswith(
+        "; /metrics disagrees with the hook: sglang:num_prefill_unwinds_total rank 1: /metrics 2, the hook 3"
+    ), undercounted.verdict
+    unscraped, _ = _run(tmp_path, "no-metrics", TP2_PATCHED, control_outputs)
+    assert not unscraped.ok and unscraped.scraped is None
+    assert unscraped.verdict.endswith("; the server's /metrics could not be read after the traffic")
+
+
+def test_the_metrics_page_is_read_per_rank_with_other_labels_summed() -> None:
+    page = "\n".join(
+        [
+            "# HELP sglang:mamba_slot_misses_total Mamba slot misses.",
+            "# TYPE sglang:mamba_slot_misses_total counter",
+            'sglang:mamba_slot_misses_total{cache_type="U",tp_rank="0",outcome="rescued"} 4.0',
+            'sglang:mamba_slot_misses_total{cache_type="U",tp_rank="0",outcome="checkpoint_skipped"} 2.0',
+            'sglang:mamba_slot_misses_total{cache_type="U",tp_rank="1",outcome="rescued"} 6.0',
+            'sglang:mamba_slot_misses_created{cache_type="U",tp_rank="1",outcome="rescued"} 1.7e+09',
+            'sglang:num_parked_chunk_releases_total{model_name="m",tp_rank="0"} 1.0',
+            'sglang:num_parked_chunk_releases_created{model_name="m",tp_rank="0"} 1.7e+09',
+            'sglang:num_requests_total{model_name="m",tp_rank="0"} 9.0',
+        ]
+    )
+    scraped = metrics.parse(page)
+    assert scraped == {
+        "sglang:mamba_slot_misses_total": {"0": 6, "1": 6},
+        "sglang:num_parked_chunk_releases_total": {"0": 1},
+    }
+    assert metrics.shown(scraped) == "num_parked_chunk_releases_total 0:1, mamba_slot_misses_total 0:6 1:6"
+    hook = {"mamba_slot_misses": {"0": 6, "1": 5}, "parked_chunk_releases": {"0": 1}}
+    assert metrics.disagreements(scraped, hook, ["0", "1"]) == [
+        "sglang:mamba_slot_misses_total rank 1: /metrics 6, the hook 5"
+    ]
+    # The unwind's counter also counts rounds that put no batch back: more than the hook is fine.
+    assert (
+        metrics.disagreements({"sglang:num_prefill_unwinds_total": {"0": 4}}, {"unwinds": {"0": 3}}, ["0"])
+        == []
+    )
+    assert metrics.disagreements({}, {"unwinds": {"0": 3}}, ["0"]) == [
+        "sglang:num_prefill_unwinds_total rank 0: /metrics 0, the hook 3"
+    ]
+
+
 def test_two_ranks_miss_on_one_and_unwind_on_both(
     tmp_path: Path, control_outputs: dict[str, list[int]]
 ) -> None:
@@ -538,7 +600,10 @@ def test_uneven_ranks_withhold_on_rank_0_miss_on_rank_1_and_match_the_control(
     uneven, _ = _run(tmp_path, "patched", TP2_UNEVEN, control_outputs)
     assert uneven.ok, uneven
     assert uneven.withheld_readings == {"0": 6, "1": 0} and uneven.misses == {"0": 0, "1": 3}
-    assert uneven.verdict == "every request finished, every rank unwound, outputs equal the control run's"
+    assert uneven.verdict == (
+        "every request finished, every rank unwound, outputs equal the control run's;"
+        " /metrics: num_prefill_unwinds_total 0:3 1:3"
+    )
 
 
 def test_a_decode_miss_on_one_rank_is_retracted_on_both(
@@ -593,7 +658,7 @@ def test_the_l3_run_prefetches_from_its_own_files_and_fails_without_a_storage_hi
     run, _ = _run(tmp_path, "patched", TP2_L3, control_outputs)
     assert run.ok and run.storage_cached_tokens == 3 * 256, run
     assert run.prefetches == run.prefetch_termination_checks == {"0": 3, "1": 3}
-    assert run.verdict.endswith("768 prompt tokens read from L3"), run
+    assert "768 prompt tokens read from L3; /metrics: " in run.verdict, run
     assert (tmp_path / "l3-storage" / "dense-tp2-l3").is_dir()
     none_prefetched, _ = _run(tmp_path, "no-prefetch", TP2_L3, control_outputs)
     assert not none_prefetched.ok, none_prefetched
@@ -956,6 +1021,10 @@ def test_a_parked_run_fails_unless_every_rank_released_the_parked_chunk() -> Non
     def patched(releases: dict[str, int]) -> Run:
         run = Run("dense", "natural-parked-patched", "patched", scenario="natural-parked", started=True)
         run.unwinds, run.unwound_requests, run.parked_chunk_releases = {"0": 3}, {"long": 3}, releases
+        run.scraped = {
+            "sglang:num_prefill_unwinds_total": {"0": 3},
+            "sglang:num_parked_chunk_releases_total": releases,
+        }
         outputs = {"long": [1, 2], "short": [3, 4]}
         judge(run, [traffic.Outcome(key, True, ids) for key, ids in outputs.items()], outputs, NATURAL_PARKED)
         return run
@@ -963,7 +1032,10 @@ def test_a_parked_run_fails_unless_every_rank_released_the_parked_chunk() -> Non
     never = patched({"0": 0})
     assert not never.ok and never.verdict.startswith("no parked chunk was released this time"), never.verdict
     released = patched({"0": 1})
-    assert released.ok and released.verdict.endswith("parked chunks released {'0': 1}"), released.verdict
+    assert released.ok and released.verdict.endswith(
+        "parked chunks released {'0': 1};"
+        " /metrics: num_prefill_unwinds_total 0:3, num_parked_chunk_releases_total 0:1"
+    ), released.verdict
 
 
 def test_a_line_without_the_natural_mechanism_runs_without_the_natural_runs() -> None:

@@ -11,10 +11,11 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from . import metrics
 from .plan import ModelPlan, RunSpec
 from .server import HOOK, PeakMemory, Server, free_port, server_command
 from .traffic import REQUEST_TIMEOUT_S, Outcome, drive, timed_out
-from .verdicts import CONTROL, INJECTING, Run, judge, read_counters, take_counters
+from .verdicts import CONTROL, INJECTING, PATCHED, Run, judge, read_counters, take_counters
 
 # A run's traffic at most; the misses the hook injects per rank; a server's start-up at most.
 RUN_TIMEOUT_S = 600
@@ -110,6 +111,8 @@ def run_once(
             # Requests that timed out while the server was still up: it hung (it may die later).
             run.hung = server.alive() and any(timed_out(o) for o in outcomes)
             time.sleep(1.0)  # let a dying scheduler take the server down before we look
+            if spec.kind == PATCHED and server.alive():
+                run.scraped = metrics.scrape(server.base_url)
         run.server_died = not server.alive()
     finally:
         run.peak_rss_mb = memory.stop()
@@ -139,7 +142,13 @@ def run_plans(
     for plan in plans:
         controls: dict[str, dict[str, list[int]]] = {}
         for spec in plan.specs:
-            flags = [*plan.flags, *(["--tp-size", str(spec.tp)] if spec.tp > 1 else []), *spec.server_flags]
+            flags = [
+                *plan.flags,
+                *(["--tp-size", str(spec.tp)] if spec.tp > 1 else []),
+                # A patched server exports the series' counters; the run reads them from /metrics.
+                *([metrics.METRICS_FLAG] if spec.kind == PATCHED else []),
+                *spec.server_flags,
+            ]
             control = controls.get(spec.control_name) if spec.kind != CONTROL else None
             for attempt in range(1, PORT_ATTEMPTS + 1):
                 port = free_port()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from . import metrics
 from .scenarios import HICACHE, Scenario
 from .traffic import Outcome, timed_out
 
@@ -94,6 +95,9 @@ class Run:
     # all-reduces made while a step was prepared).
     decode_steps: dict[str, int] = field(default_factory=dict)
     decode_votes: dict[str, int] = field(default_factory=dict)
+    # A patched run's series counters read from the server's own /metrics after the traffic, per
+    # TP rank (metrics.scrape); None where the run was not scraped or /metrics could not be read.
+    scraped: dict[str, dict[str, int]] | None = None
     verdict: str = ""
     ok: bool = False
     seconds: float = 0.0
@@ -122,6 +126,16 @@ class Run:
         if self.mamba_checkpoints:
             return "recovered Mamba slot misses"
         return "retracted after a decode miss" if self.miss_at == "decode" else "unwound"
+
+    def metrics_disagreements(self) -> list[str]:
+        """Where the server's /metrics and the hook count the same events differently."""
+        hook_counts = {
+            "unwinds": self.unwinds,
+            "decode_retractions": self.decode_retractions,
+            "parked_chunk_releases": self.parked_chunk_releases,
+            "mamba_slot_misses": self.mamba_slot_misses,
+        }
+        return metrics.disagreements(self.scraped or {}, hook_counts, self.every_rank)
 
 
 def read_counters(folder: Path) -> list[dict[str, Any]]:
@@ -318,12 +332,20 @@ def judge(
             f" unwinds {run.unwinds})",
         )
     elif run.kind == PATCHED:
+        # What an operator sees must be what happened: the series' counters in the server's own
+        # /metrics, equal to the hook's count of the same events on every rank.
+        metrics_wrong = (
+            "the server's /metrics could not be read after the traffic"
+            if run.scraped is None
+            else "; ".join(f"/metrics disagrees with the hook: {d}" for d in run.metrics_disagreements())
+        )
         run.ok = bool(
             everything
             and unwound_everywhere
             and run.outputs_equal_control
             and not run.died_with
             and run.mamba_late_copies == 0
+            and not metrics_wrong
         )
         differ = run.outputs_differing
         each = f" ({differ} differ, each with its unwinds: {run.differing_requests})" if differ else ""
@@ -336,12 +358,13 @@ def judge(
                 else ""
             )
             + (f"; parked chunks released {run.parked_chunk_releases}" if scenario.parks_a_chunk else "")
+            + f"; /metrics: {metrics.shown(run.scraped or {})}"
             if run.ok
             else (
                 f"{run.failed} failed, misses {run.misses}, {run.recovery}: {run.recoveries},"
                 f" outputs equal control: {run.outputs_equal_control}"
                 f"{each}, Mamba copies landed after their slot's release: {run.mamba_late_copies},"
-                f" died with {run.died_with or 'nothing'}"
+                f" died with {run.died_with or 'nothing'}" + (f"; {metrics_wrong}" if metrics_wrong else "")
             )
         )
     else:
