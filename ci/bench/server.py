@@ -1,7 +1,8 @@
 """Benchmark: what the series costs a real sglang server on CPU, and what recovering from a natural
 miss costs.
 
-    .venv-test/bin/python ci/bench/server.py [--upstream V] [--pairs 6] [--repeats 2] [--judge in-run] [--out DIR]
+    .venv-test/bin/python ci/bench/server.py [--upstream V] [--pairs 6] [--repeats 2]
+        [--judge in-run] [--out DIR]
 
 Not a test. The line is prepared as the CPU end-to-end test prepares it (ci/e2e/cpu_line.py: the
 official wheel from the pin, the patched wheel from dist/, built if missing) and served by the
