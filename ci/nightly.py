@@ -66,6 +66,9 @@ from sglang_carry.tables import markdown_table  # noqa: E402
 from sglang_carry.testenv import test_envs  # noqa: E402
 
 STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e")
+# The seeds of the two-rank simulation (tests/upstream/sglang/test_simulation.py) each night;
+# ./scripts/test runs its default, 0-199.
+NIGHTLY_SIMULATION_SEEDS = "0-1999"
 
 
 class StepStatus(enum.StrEnum):
@@ -358,18 +361,23 @@ class Nightly:
         self.wheels[row] = {"file": here.path.name, "sha256": here.sha256}
         build.details = {**self.wheels[row], "artifacts": len(built.artifacts)}
 
-    def _step_in_test_env(self, row: str, line: Line, step: str, args: Sequence[str]) -> None:
+    def _step_in_test_env(
+        self, row: str, line: Line, step: str, args: Sequence[str], env: Mapping[str, str] | None = None
+    ) -> None:
         """A step run by the line's own test environment's interpreter (built if missing)."""
         try:
             python = self.test_python(line)
         except CarryError as error:
             self.results[row][step] = StepResult(FAIL, str(error))
             return
-        self._step(row, step, [python, *args])
+        self._step(row, step, [python, *args], env=env)
 
     def run_cpu_tests(self, row: str, line: Line) -> None:
+        """The line's upstream tests, the two-rank simulation over NIGHTLY_SIMULATION_SEEDS."""
         pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/upstream/{line.name}"]
-        self._step_in_test_env(row, line, "cpu-tests", pytest)
+        self._step_in_test_env(
+            row, line, "cpu-tests", pytest, env={"CARRY_SIM_SEEDS": NIGHTLY_SIMULATION_SEEDS}
+        )
 
     def run_cpu_e2e(self, row: str, line: Line) -> None:
         """A real server on CPU, one rank and two (ci/e2e/run_e2e.py --device cpu), every run the line

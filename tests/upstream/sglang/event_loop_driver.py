@@ -641,4 +641,11 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
         ),
         by="init_batch_result_processor",
     )
+    # -- what abort_request reads (a client's abort, as the tokenizer sends it) --------------------
+    i.set("_pending_chunked_abort_req", lambda: None, by="init_running_status")
+    i.set("enable_continuous_input_polling", lambda: False, by="init_running_status")
+    i.set("result_queue", collections.deque, by="init_running_status")
+    i.set("mm_receiver", lambda: None, by="init_disaggregation")  # not an EPD language-only server
+    if i.missing("grammar_manager"):
+        i.call("init_grammar_manager", ("grammar_manager",))
     driver.installed = i.names

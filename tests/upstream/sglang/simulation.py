@@ -1,0 +1,357 @@
+"""A randomized simulation of two ranks running the REAL sglang event loop, deterministic per seed
+(in the spirit of FoundationDB's simulation testing).
+
+A seed decides everything both ranks share (`plan`): the pool (page size, KV tokens, Mamba state,
+HiCache), the prefill chunk, and the traffic: requests with random prompt and output lengths,
+some sharing a prefix, arriving at random iterations with idle gaps between waves, some aborted at
+a random later iteration. Each rank also gets what only it sees, from the seed and its rank:
+co-tenants of a kvcached-shaped pool that take and return physical memory, their reading drifting
+at every read (`SimPlan.co_tenants`). The co-tenants leave after `CO_TENANTS_LEAVE_AT`, so every
+request can finish.
+
+Each rank drives `event_loop_driver.EventLoopDriver` (event_loop_normal's iteration; the model
+forward is the only fake) and records, per iteration, the batch it ran (forward mode, requests,
+prefill tokens) and every collective it made, in order (operation, group, reduce op, shape and
+dtype; `torch.distributed`'s functions wrapped for the run). `judge` compares the two ranks'
+records: the same batch and the same collectives in every iteration, no exception on either rank,
+every request finished or aborted with a reason, and no leak once idle (the harness's own check;
+the loop's `on_idle` makes upstream's). A seed that fails names itself; `replay_command` is the
+one line that runs it alone.
+
+With HiCache on, most seeds let each device copy (a write-through backup, a load) land at a random
+later iteration, on each rank by its own schedule (`SimPlan.copy_landing`).
+
+Not simulated (stated, not hidden): `event_loop_overlap` (the driver replays event_loop_normal
+only), L3 storage, speculative decoding, PD disaggregation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import shlex
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import scheduler_harness as sh
+import torch
+import torch.distributed as dist
+from event_loop_driver import EventLoopDriver, Iteration
+
+# Upstream's idle leak check (invariant_checker.py), strict by default.
+STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"
+# Idle iterations once every request ended, before the one with upstream's strict idle check.
+WIND_DOWN_ITERATIONS = 10
+# Iterations at most per seed; the co-tenants give everything back at this iteration.
+MAX_ITERATIONS = 400
+CO_TENANTS_LEAVE_AT = 150
+# Tokens of a prompt's shared prefix, and the token ids each prefix and prompt draws from.
+PREFIX_TOKENS = (8, 24, 40)
+FIRST_TOKEN = 1000
+# What the simulated collectives are recorded as: (function, group, reduce op, shape, dtype).
+Collective = tuple[str, str, str, tuple[int, ...], str]
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "reduce")
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    rid: str
+    arrives_at: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    aborted_at: int | None = None
+
+
+@dataclass(frozen=True)
+class SimPlan:
+    seed: int
+    page_size: int
+    kv_tokens: int
+    chunked_prefill_size: int
+    mamba: bool
+    hicache: bool
+    requests: tuple[SimRequest, ...]
+    # Per rank: the most tokens its co-tenants hold at once (0: none), read afresh at every reading.
+    co_tenants: tuple[int, int]
+    # With HiCache: the chance that a copy in flight lands before an iteration, per rank (1.0: at
+    # once). Each rank's copies land on its own schedule, as two GPUs' copy streams do.
+    copy_landing: tuple[float, float] = (1.0, 1.0)
+    # Per rank: the tokens it holds mapped at the start (the decode credit's reading).
+    mapped: tuple[int, int] = (0, 0)
+
+    def summary(self) -> str:
+        aborted = sum(r.aborted_at is not None for r in self.requests)
+        return (
+            f"page {self.page_size}, {self.kv_tokens} KV tokens, chunk {self.chunked_prefill_size},"
+            f" mamba {self.mamba}, hicache {self.hicache}, {len(self.requests)} requests ({aborted} aborted),"
+            f" co-tenants up to {self.co_tenants[0]} / {self.co_tenants[1]} tokens,"
+            f" copies landing per iteration {self.copy_landing[0]:.2f} / {self.copy_landing[1]:.2f},"
+            f" held mapped {self.mapped[0]} / {self.mapped[1]} tokens"
+        )
+
+    def harness_config(self) -> dict[str, Any]:
+        return {
+            "page_size": self.page_size,
+            "kv_tokens": self.kv_tokens,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "mamba": self.mamba,
+            "hicache": self.hicache,
+            "auto_complete_events": self.copy_landing == (1.0, 1.0),
+            "enable_overlap": False,  # event_loop_normal
+        }
+
+
+def plan(seed: int) -> SimPlan:
+    """Everything a seed decides that both ranks share (and each rank's co-tenants' bound)."""
+    rng = random.Random(seed)
+    page_size = rng.choice((1, 1, 4))
+    kv_tokens = rng.choice((192, 256, 384, 512))
+    prefixes = [
+        list(range(FIRST_TOKEN + 100 * g, FIRST_TOKEN + 100 * g + rng.choice(PREFIX_TOKENS)))
+        for g in range(3)
+    ]
+    requests = []
+    arrives_at = 0
+    for i in range(rng.randint(3, 14)):
+        if rng.random() < 0.3:
+            arrives_at += rng.randint(1, 12)  # a gap, idle iterations too
+        own = list(range(FIRST_TOKEN + 500 + 40 * i, FIRST_TOKEN + 500 + 40 * i + rng.randint(1, 36)))
+        prompt = (rng.choice(prefixes) if rng.random() < 0.5 else []) + own
+        aborted_at = arrives_at + rng.randint(0, 8) if rng.random() < 0.15 else None
+        requests.append(SimRequest(f"s{i:02d}", arrives_at, tuple(prompt), rng.randint(1, 12), aborted_at))
+    largest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    co_tenant_room = max(0, kv_tokens - largest - 16)
+    co_tenants = tuple(
+        rng.choice((0, co_tenant_room // 4, co_tenant_room // 2, co_tenant_room)) for _ in range(2)
+    )
+    mamba = rng.random() < 0.3
+    if mamba:
+        page_size = 1  # the Mamba component's no_buffer tree takes pages of one token
+    hicache = rng.random() < 0.3
+    delayed = hicache and rng.random() < 0.7
+    landing = (rng.choice((0.2, 0.5, 0.9)), rng.choice((0.2, 0.5, 0.9))) if delayed else (1.0, 1.0)
+    return SimPlan(
+        seed=seed,
+        page_size=page_size,
+        kv_tokens=kv_tokens,
+        chunked_prefill_size=rng.choice((16, 32, 64, 256)),
+        mamba=mamba,
+        hicache=hicache,
+        requests=tuple(requests),
+        co_tenants=(co_tenants[0], co_tenants[1]),
+        copy_landing=landing,
+        # Held-mapped memory (the decode credit) is off: with it, a rank of some seed failed
+        # outside the loop (a gloo collective timeout), not yet diagnosed.
+        mapped=(0, 0),
+    )
+
+
+def _co_tenant_readings(seed: int, rank: int, most: int) -> Iterator[int]:
+    """What this rank's co-tenants hold, a new reading each time (kvcached's physical reading
+    drifts between any two reads), from this rank's own generator."""
+    rng = random.Random(f"{seed}-co-tenants-{rank}")
+    while True:
+        yield rng.randint(0, most)
+
+
+def _group_name(group: Any) -> str:
+    if group is None:
+        return "default"
+    return str(getattr(group, "group_name", type(group).__name__))
+
+
+@contextlib.contextmanager
+def recording_collectives(record: list[Collective]) -> Iterator[None]:
+    """Wrap torch.distributed's collectives for the block: each call is appended to `record`
+    (function, group, reduce op, shape, dtype) before it runs."""
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def wrap(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(real)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
+            if name == "all_gather" and args and isinstance(args[0], list):
+                tensor = args[1] if len(args) > 1 else kwargs.get("tensor")
+            op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
+            record.append(
+                (
+                    name,
+                    _group_name(kwargs.get("group")),
+                    str(op) if op is not None else "",
+                    tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else (),
+                    str(tensor.dtype) if isinstance(tensor, torch.Tensor) else "",
+                )
+            )
+            return real(*args, **kwargs)
+
+        return collective
+
+    for name, real in saved.items():
+        setattr(dist, name, wrap(name, real))
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+@dataclass
+class RankRecord:
+    """What one rank saw of a seed: per iteration its batch and its collectives."""
+
+    iterations: list[tuple[str | None, tuple[str, ...], int]] = field(default_factory=list)
+    collectives: list[list[Collective]] = field(default_factory=list)
+    failure: str | None = None
+    # Requests that ended without a reason, and the harness's leak report once idle.
+    unfinished: list[str] = field(default_factory=list)
+    leaks: list[str] = field(default_factory=list)
+
+
+def _aborted_rids(h: sh.Harness) -> set[str]:
+    """The requests the scheduler reported to the tokenizer as aborted (while queued, retracted,
+    rejected): they end there, with the abort's reason, and never finish in the tree."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    outputs = h.scheduler.ipc_channels.send_to_tokenizer.outputs
+    return {str(output.rid) for output in outputs if isinstance(output, AbortReq)}
+
+
+def _ended(h: sh.Harness, reqs: dict[str, Any]) -> set[str]:
+    """The requests that ended: finished with a reason, or reported aborted."""
+    return {rid for rid, req in reqs.items() if req.finished_reason is not None} | _aborted_rids(h)
+
+
+def _land_copies(h: sh.Harness, rng: random.Random, chance: float) -> None:
+    """Each device copy in flight on this rank lands now with `chance` (the CPU stand-ins' events
+    stay pending until then)."""
+    for event in getattr(h.device, "events", ()):
+        if getattr(event, "recorded", False) and not event.done and rng.random() < chance:
+            event.done = True
+
+
+def _abort(h: sh.Harness, rid: str) -> None:
+    from sglang.srt.managers.io_struct import AbortReq
+
+    h.scheduler.abort_request(AbortReq(rid=rid))
+
+
+def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
+    """One rank's run of a seed (a MultiRoundScenario of test_rank_agreement.run_two_ranks)."""
+    record = RankRecord()
+    driver = EventLoopDriver(h)
+    assert h.physical is not None, "the simulation needs the kvcached-shaped pool (elastic)"
+    if sim.co_tenants[rank]:
+        h.physical.drift(_co_tenant_readings(sim.seed, rank, sim.co_tenants[rank]))
+    else:
+        h.physical.take(0)
+    # Memory this rank holds mapped, which no co-tenant can take (kvcached's free blocks on its
+    # mapped pages): the decode credit's reading. It only shrinks as the pool allocates from it.
+    h.physical.hold_mapped(sim.mapped[rank])
+    copies = random.Random(f"{sim.seed}-copies-{rank}")
+    reqs: dict[str, Any] = {}
+    made: list[Collective] = []
+    last_arrival = max(r.arrives_at for r in sim.requests)
+    try:
+        # While co-tenants hold memory the pool's real free space is short of its total, which
+        # upstream's idle check (strict by default) reads as a leak; kvcached's own SGLang
+        # integration turns that check off. Off while they may hold memory; on for the final idle
+        # iteration, after they left.
+        with recording_collectives(made), mock.patch.dict(os.environ, {STRICT_IDLE_CHECK: "0"}):
+            for iteration in range(MAX_ITERATIONS):
+                if iteration == CO_TENANTS_LEAVE_AT:
+                    h.physical.take(0)
+                _land_copies(h, copies, sim.copy_landing[rank] if iteration < CO_TENANTS_LEAVE_AT else 1.0)
+                for request in sim.requests:
+                    if request.arrives_at == iteration:
+                        req = h.make_req(
+                            list(request.prompt), rid=request.rid, max_new_tokens=request.max_new_tokens
+                        )
+                        reqs[request.rid] = req
+                        h.scheduler._add_request_to_queue(req)
+                    if request.aborted_at == iteration and request.rid not in _ended(h, reqs):
+                        _abort(h, request.rid)
+                before = len(made)
+                it: Iteration = driver.step()
+                record.iterations.append((it.forward_mode, it.rids, it.extend_tokens))
+                record.collectives.append(made[before:])
+                done = iteration >= last_arrival and _ended(h, reqs) >= set(reqs)
+                if done and it.forward_mode is None:
+                    break
+            # Wind down: the co-tenants leave and every copy in flight lands; the next iterations
+            # reap the copies' acks (which unlock their tree nodes), the last one with upstream's
+            # strict idle check.
+            h.physical.take(0)
+            _land_copies(h, copies, 1.0)
+            for strict in ("0",) * WIND_DOWN_ITERATIONS + ("1",):
+                with mock.patch.dict(os.environ, {STRICT_IDLE_CHECK: strict}):
+                    before = len(made)
+                    it = driver.step()
+                    record.iterations.append((it.forward_mode, it.rids, it.extend_tokens))
+                    record.collectives.append(made[before:])
+    except Exception as error:  # a rank's loop raised: the seed fails, with where and what
+        record.failure = (
+            f"iteration {len(record.iterations)}: {type(error).__name__}: {str(error).splitlines()[0]}"
+        )
+    record.unfinished = sorted(set(reqs) - _ended(h, reqs))
+    if record.failure is None:
+        record.leaks = [str(leak) for leak in h.idle_leak_report()]
+    return asdict(record)
+
+
+@dataclass(frozen=True)
+class SeedVerdict:
+    seed: int
+    iterations: int
+    collectives: int
+    failures: tuple[str, ...]
+
+
+def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
+    """What the two ranks' records of a seed show, one line per failed check."""
+    failures = []
+    r0, r1 = ranks[0], ranks[1]
+    for rank, r in ranks.items():
+        if r["failure"]:
+            failures.append(f"rank {rank} raised at {r['failure']}")
+        if r["unfinished"]:
+            failures.append(f"rank {rank}: requests never finished: {r['unfinished']}")
+        if r["leaks"]:
+            failures.append(f"rank {rank}: leaked once idle: {r['leaks']}")
+    for i, (a, b) in enumerate(zip(r0["iterations"], r1["iterations"], strict=False)):
+        if a != b:
+            failures.append(f"iteration {i + 1}: rank 0 ran {a}, rank 1 ran {b}")
+            break
+    else:
+        if len(r0["iterations"]) != len(r1["iterations"]) and not (r0["failure"] or r1["failure"]):
+            failures.append(f"rank 0 ran {len(r0['iterations'])} iterations, rank 1 {len(r1['iterations'])}")
+    for i, (a, b) in enumerate(zip(r0["collectives"], r1["collectives"], strict=False)):
+        if a != b:
+            failures.append(f"iteration {i + 1}: rank 0's collectives {a}, rank 1's {b}")
+            break
+    return SeedVerdict(
+        seed,
+        len(r0["iterations"]),
+        sum(len(c) for c in r0["collectives"]),
+        tuple(failures),
+    )
+
+
+def replay_command(seed: int) -> str:
+    """The one line that runs this seed alone, as the failing run did."""
+    test = Path(__file__).resolve().parent / "test_simulation.py"
+    return f"CARRY_SIM_SEEDS={seed} {shlex.quote(sys.executable)} -m pytest {shlex.quote(str(test))} -q"
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`0-199`, `7`, `3,9,40-45`: the seeds named."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        first, _, last = part.partition("-")
+        seeds += list(range(int(first), int(last or first) + 1))
+    return seeds
