@@ -241,6 +241,15 @@ def _abort(h: sh.Harness, rid: str) -> None:
     h.scheduler.abort_request(AbortReq(rid=rid))
 
 
+def _recorded_step(driver: EventLoopDriver, made: list[Collective], record: RankRecord) -> Iteration:
+    """One loop iteration, its batch and the collectives it made appended to `record`."""
+    before = len(made)
+    it = driver.step()
+    record.iterations.append((it.forward_mode, it.rids, it.extend_tokens))
+    record.collectives.append(made[before:])
+    return it
+
+
 def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
     """One rank's run of a seed (a MultiRoundScenario of test_rank_agreement.run_two_ranks)."""
     record = RankRecord()
@@ -274,12 +283,13 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
                         )
                         reqs[request.rid] = req
                         h.scheduler._add_request_to_queue(req)
-                    if request.aborted_at == iteration and request.rid not in _ended(h, reqs):
-                        _abort(h, request.rid)
-                before = len(made)
-                it: Iteration = driver.step()
-                record.iterations.append((it.forward_mode, it.rids, it.extend_tokens))
-                record.collectives.append(made[before:])
+                aborting = [r.rid for r in sim.requests if r.aborted_at == iteration]
+                if aborting:
+                    ended = _ended(h, reqs)
+                    for rid in aborting:
+                        if rid not in ended:
+                            _abort(h, rid)
+                it = _recorded_step(driver, made, record)
                 done = iteration >= last_arrival and _ended(h, reqs) >= set(reqs)
                 if done and it.forward_mode is None:
                     break
@@ -290,10 +300,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
             _land_copies(h, copies, 1.0)
             for strict in ("0",) * WIND_DOWN_ITERATIONS + ("1",):
                 with mock.patch.dict(os.environ, {STRICT_IDLE_CHECK: strict}):
-                    before = len(made)
-                    it = driver.step()
-                    record.iterations.append((it.forward_mode, it.rids, it.extend_tokens))
-                    record.collectives.append(made[before:])
+                    _recorded_step(driver, made, record)
     except Exception as error:  # a rank's loop raised: the seed fails, with where and what
         record.failure = (
             f"iteration {len(record.iterations)}: {type(error).__name__}: {str(error).splitlines()[0]}"

@@ -44,22 +44,22 @@ def _start_up(h: sh.Harness) -> dict[str, Any]:
     return {"refused": None, "agreed": agreement is not None}
 
 
-def _pd_decode(h: sh.Harness, rank: int) -> dict[str, Any]:
-    sched = h.scheduler
-    mode, sched.disaggregation_mode = sched.disaggregation_mode, DisaggregationMode.DECODE
-    try:
-        return _start_up(h)
-    finally:
-        sched.disaggregation_mode = mode
+def _started_as(mode: DisaggregationMode) -> MultiRoundScenario:
+    """The start-up of a server of this disaggregation mode, on the scenario's harness."""
+
+    def start(h: sh.Harness, rank: int) -> dict[str, Any]:
+        sched = h.scheduler
+        saved, sched.disaggregation_mode = sched.disaggregation_mode, mode
+        try:
+            return _start_up(h)
+        finally:
+            sched.disaggregation_mode = saved
+
+    return start
 
 
-def _pd_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
-    sched = h.scheduler
-    mode, sched.disaggregation_mode = sched.disaggregation_mode, DisaggregationMode.PREFILL
-    try:
-        return _start_up(h)
-    finally:
-        sched.disaggregation_mode = mode
+_pd_decode = _started_as(DisaggregationMode.DECODE)
+_pd_prefill = _started_as(DisaggregationMode.PREFILL)
 
 
 def _mamba_pool(h: sh.Harness) -> Any:
