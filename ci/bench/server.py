@@ -611,9 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report["failures"] = failures
     report["noise"] = noise
+    report["wall_clock_misses"] = wall_clock_misses
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print("\n".join(lines))
-    report["wall_clock_misses"] = wall_clock_misses
     for failure in failures:
         print(f"bench: over target: {failure}")
     for miss in wall_clock_misses:
