@@ -27,7 +27,6 @@ import run_e2e  # noqa: E402
 import sitecustomize as hook  # noqa: E402
 from e2e_harness import (  # noqa: E402
     metrics,
-    plan,
     runner,
     traffic,
 )
@@ -56,7 +55,7 @@ from e2e_harness.scenarios import (  # noqa: E402
     NATURAL_ROOMY_POOL_TOKENS,
 )
 from e2e_harness.server import CPU_FLAGS, HOOK, Server, free_port, server_command  # noqa: E402
-from e2e_harness.verdicts import Run, judge  # noqa: E402
+from e2e_harness.verdicts import COMPARING, Run, judge  # noqa: E402
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 
@@ -1099,36 +1098,46 @@ def test_lfm2_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference
 GDN_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is GDN}
 
 
-def test_the_gdn_runs_are_in_the_default_run_with_their_controls(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_gdn_runs_compare_with_their_controls_and_run_in_the_nightly() -> None:
     assert set(GDN_SPECS) == {
         *(f"gdn-{kind}" for kind in ("control", "recompute", "pristine", "patched", "without-load-wait")),
         *(f"tp2-gdn-{kind}" for kind in ("control", "pristine", "patched")),
     }
     assert {spec.control_name for spec in GDN_SPECS.values()} == {"gdn-control", "tp2-gdn-control"}
-    assert GDN.gdn_kernels and GDN.mamba_state and GDN.in_default_run
-    # every run of every family in ./scripts/test and the nightly, but the nightly's natural-hicache
-    # and the hybrid natural runs other than LFM2's Mamba checkpoint ones (one rank and two)
-    nightly_only = {spec.name for spec, _ in CPU_PLAN if not spec.scenario.in_default_run}
-    kinds = ("control", "pristine", "patched")
-    assert nightly_only == {
-        *(f"natural-hicache-{kind}" for kind in kinds),
-        *(
-            f"{ranks}{scenario}-{kind}"
-            for ranks in ("", "tp2-")
-            for scenario in ("gdn-checkpoint", "lfm2-natural", "gdn-natural")
-            for kind in kinds
-        ),
-    }
-    assert set(CPU_DEFAULT_RUNS) == set(CPU_RUNS) - nightly_only
+    assert GDN.gdn_kernels and GDN.mamba_state
+    assert set(GDN_SPECS) <= set(chosen_runs(ALL_RUNS, None))
+    assert GDN.first_line == "0.5.20" and runs_not_on_line(list(GDN_SPECS), "0.5.20") == {}
+
+
+def test_the_default_run_proves_each_kind_of_fix_once_within_ci_s_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """./scripts/test's runs: each compared run with its control, a pristine run beside every
+    patched scenario, two ranks where the ranks must agree; few enough servers to fit CI."""
+    specs = {spec.name: spec for spec, _ in CPU_PLAN}
     assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS)
+    assert len(CPU_DEFAULT_RUNS) <= 22 < len(CPU_RUNS)
+    for name in CPU_DEFAULT_RUNS:
+        spec = specs[name]
+        if spec.kind in COMPARING:
+            assert spec.control_name in CPU_DEFAULT_RUNS, name
+    patched_scenarios = {
+        (specs[n].scenario.name, specs[n].tp) for n in CPU_DEFAULT_RUNS if specs[n].kind == "patched"
+    }
+    pristine_scenarios = {
+        (specs[n].scenario.name, specs[n].tp, specs[n].miss_at)
+        for n in CPU_DEFAULT_RUNS
+        if specs[n].kind == "pristine"
+    }
+    assert {(name, tp) for name, tp, _ in pristine_scenarios} == patched_scenarios
+    assert ("hicache", 2, "decode") in pristine_scenarios
+    assert {("natural-parked", 2), ("lfm2-checkpoint", 2), ("lfm2", 1)} <= patched_scenarios
+    # --runs all is every run; --models adds a model's runs to the default run's.
     assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)
     assert chosen_runs("gdn-control,gdn-patched", None) == ["gdn-control", "gdn-patched"]
-    # A family kept out of the default run (in_default_run False) runs only when asked for.
-    monkeypatch.setattr(plan, "CPU_DEFAULT_RUNS", tuple(set(CPU_RUNS) - set(GDN_SPECS)))
     assert not set(chosen_runs(None, None)) & set(GDN_SPECS)
-    assert set(chosen_runs(None, "gdn")) == set(CPU_RUNS)  # the (patched) default run's, and gdn's
-    assert chosen_runs(ALL_RUNS, None) == list(CPU_RUNS)
-    assert GDN.first_line == "0.5.20" and runs_not_on_line(list(GDN_SPECS), "0.5.20") == {}
+    gdn_model_runs = {name for name, spec in specs.items() if spec.scenario.model == "gdn"}
+    assert set(chosen_runs(None, "gdn")) == set(CPU_DEFAULT_RUNS) | gdn_model_runs
 
 
 def test_gdn_verdicts_need_mamba_loads_no_late_copy_and_the_recompute_reference(

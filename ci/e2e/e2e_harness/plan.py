@@ -240,8 +240,23 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     *hybrid_natural_runs(GDN_NATURAL),
 )
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
-# What `--runs` left out runs (./scripts/test): the runs of every scenario in the default run.
-CPU_DEFAULT_RUNS = tuple(spec.name for spec, _ in CPU_PLAN if spec.scenario.in_default_run)
+# What `--runs` left out runs (./scripts/test, so every CI run): each series entry's proof on a
+# real server once, pristine dying and patched serving with outputs equal to its control's, on
+# two ranks where the entry is about the ranks agreeing. A run costs a server's start-up, about a
+# minute of imports on 2 cores, whatever it serves: these 22 take about 40 minutes there, and all
+# 68 more than CI's 90 (it timed out at the 43rd). The nightly runs every run (`--runs all`).
+CPU_DEFAULT_RUNS = (
+    # HiCache with a miss injected while the batch's load is in flight: the prefill unwind, its
+    # load wait, the ranks' agreement under drifting readings, and a decode step's miss.
+    *(CONTROL, PRISTINE, PATCHED, WITHOUT_LOAD_WAIT),
+    *("tp2-control", "tp2-pristine", "tp2-patched", "tp2-drift", "tp2-decode-pristine", "tp2-decode-patched"),
+    # Upstream's own prefill miss, with a chunk parked behind a decoding request.
+    *(f"{ranks}natural-parked-{kind}" for ranks in ("", "tp2-") for kind in (CONTROL, PRISTINE, PATCHED)),
+    # A hybrid model's Mamba state loaded back (the load wait with Mamba slots), and its Mamba
+    # checkpoint's natural death, the latter on two ranks.
+    *(f"lfm2-{kind}" for kind in (CONTROL, PRISTINE, PATCHED)),
+    *(f"tp2-lfm2-checkpoint-{kind}" for kind in (CONTROL, PRISTINE, PATCHED)),
+)
 # `--runs all`: every run the line has (the nightly).
 ALL_RUNS = "all"
 CPU_MODEL_OF = {spec.name: spec.scenario.model for spec, _ in CPU_PLAN}

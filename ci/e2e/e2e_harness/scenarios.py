@@ -112,9 +112,6 @@ class Scenario:
     # Its misses are Mamba checkpoints that find no slot: pristine must die of the Mamba
     # assertion, and a patched run must recover such misses (series entry 0017) on every rank.
     mamba_checkpoints: bool = False
-    # Its runs are in the default run (./scripts/test); else only where asked for: `--runs all`
-    # (the nightly), `--models` naming its model, or `--runs` naming them.
-    in_default_run: bool = True
 
     def keys(self) -> set[str]:
         return {request.key for wave in self.plan() for request in wave}
@@ -158,7 +155,6 @@ NATURAL_HICACHE = Scenario(
     False,
     False,
     first_line="0.5.21",
-    in_default_run=False,
 )
 # NATURAL's flags and a parked chunk: the long prompt's chunks go on past the short request's
 # reservation until one misses and is put back (parked, holding its computed chunks locked); the
@@ -248,14 +244,11 @@ LFM2_CHECKPOINT = Scenario(
     mamba_checkpoints=True,
     first_line=NATURAL.first_line,
 )
-# The same on the gated-delta-net hybrid; in the nightly only (`--runs all`), as GDN's other
-# natural runs: the default run keeps LFM2's (one rank and two).
-GDN_CHECKPOINT = dataclasses.replace(
-    LFM2_CHECKPOINT, name="gdn-checkpoint", model="gdn", gdn_kernels=True, in_default_run=False
-)
+# The same on the gated-delta-net hybrid.
+GDN_CHECKPOINT = dataclasses.replace(LFM2_CHECKPOINT, name="gdn-checkpoint", model="gdn", gdn_kernels=True)
 # NATURAL (upstream's KV prefill miss) on the hybrid families: no HiCache, a Mamba pool large
 # enough for the traffic, so the only miss is the KV pool's; the series unwinds it as on the dense
-# model. In the nightly only.
+# model.
 HYBRID_NATURAL_FLAGS = (
     "--mamba-radix-cache-strategy",
     "no_buffer",
@@ -270,6 +263,5 @@ LFM2_NATURAL = dataclasses.replace(
     control_flags=(*NATURAL.control_flags, *HYBRID_NATURAL_FLAGS),
     model="lfm2",
     mamba_state=True,
-    in_default_run=False,
 )
 GDN_NATURAL = dataclasses.replace(LFM2_NATURAL, name="gdn-natural", model="gdn", gdn_kernels=True)
