@@ -763,6 +763,35 @@ def test_a_run_whose_port_was_taken_starts_again_on_another_port(
     assert run.port_taken and len(ports) == 1  # attempts are bounded
 
 
+def test_a_natural_run_that_showed_no_miss_starts_again_a_bounded_number_of_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A natural run that served its traffic without the server's own miss showed nothing: it
+    is started again, at most NATURAL_ATTEMPTS servers in all, and says on which attempt it
+    showed the miss; a run that failed otherwise is not started again."""
+    shown_on: list[int] = [2]
+    attempts: list[Run] = []
+
+    def run_once(model: str, spec: Any, command: list[str], *args: Any, **kwargs: Any) -> Any:
+        shown = len(attempts) + 1 in shown_on
+        run = Run(model, spec.name, spec.kind, started=True, ok=shown, natural_miss_absent=not shown)
+        run.verdict = "every request finished" if shown else "no natural miss this time: pristine survived"
+        attempts.append(run)
+        return run, []
+
+    monkeypatch.setattr(runner, "run_once", run_once)
+    model_plan = ModelPlan("dense", [], [PRISTINE], [], sys.executable)
+    (run,) = runner.run_plans([model_plan], {"dense": tmp_path}, tmp_path, {})
+    assert run.ok and len(attempts) == 2
+    assert run.verdict == "every request finished (on attempt 2: the earlier showed no natural miss)"
+    assert "pristine survived (0 s); again (2 of 3)" in capsys.readouterr().out
+    attempts.clear()
+    shown_on.clear()
+    (run,) = runner.run_plans([model_plan], {"dense": tmp_path}, tmp_path, {})
+    assert not run.ok and len(attempts) == runner.NATURAL_ATTEMPTS  # bounded: the last verdict stands
+    assert run.verdict == "no natural miss this time: pristine survived"
+
+
 def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
     port = free_port()
     pid_file = tmp_path / "child.pid"
@@ -888,7 +917,8 @@ def test_natural_verdicts_fail_without_a_miss_or_with_one_in_the_control(
     survivor, _ = _run(tmp_path, "control", NATURAL_SPECS["natural-pristine"], reference)
     assert not survivor.ok and survivor.verdict == "no natural miss this time: pristine survived its traffic"
     never_unwound, _ = _run(tmp_path, "control", NATURAL_SPECS["natural-patched"], reference)
-    assert not never_unwound.ok and "unwound: {'0': 0}" in never_unwound.verdict, never_unwound
+    assert not never_unwound.ok and never_unwound.verdict == "no natural miss this time: no rank unwound"
+    assert survivor.natural_miss_absent and never_unwound.natural_miss_absent  # both started again
     control_missed, _ = _run(tmp_path, "natural-patched", NATURAL_SPECS["natural-control"])
     assert not control_missed.ok and control_missed.verdict.startswith("0 failed, unwinds {'0': 1}")
 
@@ -1018,10 +1048,18 @@ def test_a_parked_run_fails_unless_every_rank_released_the_parked_chunk() -> Non
     released a parked chunk showed nothing of series entry 0015; one that did passes."""
 
     def patched(releases: dict[str, int]) -> Run:
-        run = Run("dense", "natural-parked-patched", "patched", scenario="natural-parked", started=True)
+        run = Run(
+            "dense",
+            "natural-parked-patched",
+            "patched",
+            tp=len(releases),
+            scenario="natural-parked",
+            started=True,
+        )
         run.unwinds, run.unwound_requests, run.parked_chunk_releases = {"0": 3}, {"long": 3}, releases
+        run.unwinds = {rank: 3 for rank in releases}
         run.scraped = {
-            "sglang:num_prefill_unwinds_total": {"0": 3},
+            "sglang:num_prefill_unwinds_total": run.unwinds,
             "sglang:num_parked_chunk_releases_total": releases,
         }
         outputs = {"long": [1, 2], "short": [3, 4]}
@@ -1030,6 +1068,9 @@ def test_a_parked_run_fails_unless_every_rank_released_the_parked_chunk() -> Non
 
     never = patched({"0": 0})
     assert not never.ok and never.verdict.startswith("no parked chunk was released this time"), never.verdict
+    assert never.natural_miss_absent  # started again (runner.NATURAL_ATTEMPTS)
+    one_rank = patched({"0": 1, "1": 0})
+    assert not one_rank.ok and not one_rank.natural_miss_absent  # the ranks parted: no chance to retry
     released = patched({"0": 1})
     assert released.ok and released.verdict.endswith(
         "parked chunks released {'0': 1};"

@@ -138,15 +138,19 @@ def test_pristine_must_die_of_the_mamba_checkpoints_assertion(two_requests: None
     survived = Run("lfm2", "lfm2-checkpoint-pristine", "pristine", started=True, mamba_checkpoints=True)
     judge(survived, [traffic.Outcome(k, True, [1]) for k in ("long", "short.0")], None, LFM2_CHECKPOINT)
     assert not survived.ok and survived.verdict == "no natural miss this time: pristine survived its traffic"
+    assert survived.natural_miss_absent and not died.natural_miss_absent and not other.natural_miss_absent
 
 
 def test_patched_must_recover_a_slot_miss_on_every_rank(two_requests: None) -> None:
     one = _judged("patched", mamba_slot_misses={"0": 16})
     assert one.ok and one.verdict.startswith("every request finished, every rank recovered Mamba slot misses")
     none = _judged("patched", mamba_slot_misses={"0": 0})
-    assert not none.ok and "recovered Mamba slot misses: {'0': 0}" in none.verdict
+    assert not none.ok and none.verdict == "no natural miss this time: no rank recovered Mamba slot misses"
+    assert none.natural_miss_absent  # started again (runner.NATURAL_ATTEMPTS)
     alone = _judged("patched", tp=2, mamba_slot_misses={"0": 3, "1": 0})
-    assert not alone.ok
+    assert not alone.ok and not alone.natural_miss_absent  # one rank alone is a divergence, not chance
+    died = _judged("patched", mamba_slot_misses={"0": 0}, died_with={"0": MAMBA_ASSERTION})
+    assert not died.ok and not died.natural_miss_absent
 
 
 def test_a_control_with_a_mamba_slot_miss_is_no_reference(two_requests: None) -> None:

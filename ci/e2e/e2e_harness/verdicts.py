@@ -53,6 +53,9 @@ class Run:
     started: bool = False
     # The server could not bind its HTTP port (taken after it was chosen): the run is started again.
     port_taken: bool = False
+    # A natural run whose traffic did not bring about the server's own miss this time (nothing
+    # injected; the miss depends on timing): it showed nothing, so it fails, and is started again.
+    natural_miss_absent: bool = False
     finished: int = 0
     failed: int = 0
     hung: bool = False
@@ -318,6 +321,7 @@ def judge(
             # The traffic did not bring the miss about this time (or upstream fixed it): the run
             # showed nothing, so it cannot pass.
             run.ok, run.verdict = False, "no natural miss this time: pristine survived its traffic"
+            run.natural_miss_absent = True
     elif (
         run.kind == PATCHED
         and scenario.parks_a_chunk
@@ -325,12 +329,24 @@ def judge(
         and not all(run.parked_chunk_releases.get(rank, 0) for rank in every_rank)
     ):
         # Every request was served, but the traffic never parked a chunk behind the last decoding
-        # request: the run showed nothing of what it is for.
+        # request: the run showed nothing of what it is for. (Released on some ranks only is a
+        # divergence, not an absent miss.)
         run.ok, run.verdict = (
             False,
             f"no parked chunk was released this time (releases {run.parked_chunk_releases},"
             f" unwinds {run.unwinds})",
         )
+        run.natural_miss_absent = not any(run.parked_chunk_releases.values())
+    elif (
+        run.kind == PATCHED
+        and not scenario.injects
+        and everything
+        and not run.died_with
+        and not any(run.recoveries.values())
+    ):
+        # Every request served and no rank missed: the traffic did not bring the miss about.
+        run.ok, run.verdict = False, f"no natural miss this time: no rank {run.recovery}"
+        run.natural_miss_absent = True
     elif run.kind == PATCHED:
         # What an operator sees must be what happened: the series' counters in the server's own
         # /metrics, equal to the hook's count of the same events on every rank.
