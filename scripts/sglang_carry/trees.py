@@ -14,6 +14,8 @@ another line than it found.
 
 from __future__ import annotations
 
+import fcntl
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +27,9 @@ from .project import Project, Target, default_target
 from .runner import Runner, run_subprocess
 
 DEFAULT_TREES = "default-trees"
+# Laying down a worktree of sglang takes seconds; a holder of this much longer is stuck.
+LOCK_TIMEOUT_S = 600.0
+LOCK_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,9 @@ class DefaultTree:
     is_checkout: bool  # the checkout itself (on the default branch), not a worktree of it
 
 
-def default_tree(project: Project, name: str, runner: Runner = run_subprocess) -> DefaultTree:
+def default_tree(
+    project: Project, name: str, runner: Runner = run_subprocess, lock_timeout_s: float = LOCK_TIMEOUT_S
+) -> DefaultTree:
     """The tree of ``name``'s default line, at its carry branch's tip."""
     pins = project.pins()
     if name not in pins:
@@ -54,11 +61,37 @@ def default_tree(project: Project, name: str, runner: Runner = run_subprocess) -
     if git.current_branch() == target.branch:
         return DefaultTree(target, _inside(project.checkout(name), subdir), is_checkout=True)
     folder = project.scratch_dir / DEFAULT_TREES / f"{name}-{target.version}"
-    worktree = Git(folder, runner)
-    if not (worktree.exists() and worktree.rev("HEAD") == tip and not worktree.dirty_paths()):
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        git.fresh_worktree(folder, tip)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Test processes started side by side (`carry verify` runs a few trees at a time) each resolve
+    # this tree: unlocked, one removed the worktree while another laid it down.
+    with _held(folder.with_name(f"{folder.name}.lock"), lock_timeout_s):
+        worktree = Git(folder, runner)
+        if not (worktree.exists() and worktree.rev("HEAD") == tip and not worktree.dirty_paths()):
+            git.fresh_worktree(folder, tip)
     return DefaultTree(target, _inside(folder, subdir), is_checkout=False)
+
+
+@contextmanager
+def _held(path: Path, timeout_s: float) -> Iterator[None]:
+    """An flock on ``path`` (released by the kernel if its holder dies), waited for at most
+    ``timeout_s`` seconds."""
+    with path.open("a", encoding="utf-8") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CarryError(
+                        f"{path} was held for more than {timeout_s:.0f} s by another run laying down the"
+                        " same tree: let it finish (or end it), then run this again"
+                    ) from None
+                time.sleep(LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _inside(tree: Path, subdir: str | None) -> Path:

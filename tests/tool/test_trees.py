@@ -3,6 +3,11 @@ that switches the checkout for a while puts it back where it found it."""
 
 from __future__ import annotations
 
+import fcntl
+import multiprocessing
+import multiprocessing.synchronize
+from pathlib import Path
+
 import pytest
 
 from sglang_carry.errors import CarryError
@@ -56,6 +61,38 @@ def test_the_worktree_follows_the_branch_when_it_moves(demo: DemoProject) -> Non
     git(demo.checkout, "checkout", "-q", "carry/1.0")
     again = default_tree(demo.project, "demo").folder
     assert again == first and (again / "demo" / "later.py").exists()
+
+
+def _resolve_after(barrier: multiprocessing.synchronize.Barrier, demo: DemoProject, found: Path) -> None:
+    barrier.wait(timeout=30)
+    tree = default_tree(demo.project, "demo").folder
+    found.with_name(f"{found.name}.{multiprocessing.current_process().pid}").write_text(str(tree))
+
+
+def test_runs_side_by_side_lay_the_tree_down_once_each_in_turn(demo: DemoProject, tmp_path: Path) -> None:
+    """`carry verify` starts test processes side by side while the checkout is on another line:
+    each finds the default tree, none removes it under another (the lock), and a run that finds
+    the lock held past its bound says whose lock, once."""
+    two_lines(demo)
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(4)
+    runs = [
+        context.Process(target=_resolve_after, args=(barrier, demo, tmp_path / "found")) for _ in range(4)
+    ]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(timeout=120)
+    assert [run.exitcode for run in runs] == [0, 0, 0, 0]
+    trees = {path.read_text() for path in tmp_path.glob("found.*")}
+    assert len(trees) == 1 and (Path(trees.pop()) / "demo" / "new.py").exists()
+
+    lock = demo.project.scratch_dir / "default-trees" / "demo-1.1.lock"
+    with lock.open("a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(CarryError, match=rf"{lock} was held for more than 0 s by another run"):
+            default_tree(demo.project, "demo", lock_timeout_s=0.2)
+    assert default_tree(demo.project, "demo", lock_timeout_s=0.2).target.version == "1.1"  # released
 
 
 def test_no_default_branch_is_one_clear_error(demo: DemoProject) -> None:
