@@ -150,3 +150,13 @@ def found_branch_restored(
         yield problems
     finally:
         problems.extend(restore(project, states, runner))
+
+
+def run_with_checkouts_restored(
+    project: Project, command: Sequence[str], runner: Runner = run_subprocess
+) -> tuple[int, list[str]]:
+    """Run ``command`` (its output not captured), then put every pinned package's checkout back
+    where it was found. Returns the command's exit status and what could not be put back."""
+    with found_branch_restored(project, sorted(project.pins()), runner) as not_restored:
+        code = runner(command, capture=False).returncode
+    return code, not_restored

@@ -12,7 +12,7 @@ import pytest
 
 from sglang_carry.errors import CarryError
 from sglang_carry.patching import apply
-from sglang_carry.trees import default_tree, found_branch_restored
+from sglang_carry.trees import default_tree, found_branch_restored, run_with_checkouts_restored
 
 from .conftest import DemoProject, git
 from .test_lines import carry_fix_and_pin_a_new_release
@@ -124,3 +124,22 @@ def test_work_left_in_the_checkout_is_reported_not_lost(demo: DemoProject) -> No
     assert len(not_restored) == 1
     assert not_restored[0].startswith("upstream/demo was left on carry/1.0 with work in progress")
     assert "`git checkout carry/1.1`" in not_restored[0]
+
+
+def test_the_test_commands_set_up_puts_a_checkout_it_switched_back(demo: DemoProject) -> None:
+    """./scripts/test lays the default line down (ci/checkouts_restored.py around `carry fetch`
+    and `carry apply`): a developer's checkout on another line is put back on it, the command's
+    failure is passed on, and a checkout the command made is left where the command left it."""
+    two_lines(demo)
+    switch = ["git", "-C", str(demo.checkout), "checkout", "-q", "carry/1.1"]
+    assert run_with_checkouts_restored(demo.project, switch) == (0, [])
+    assert branch(demo) == "carry/1.0"
+    failing = ["bash", "-c", f"{' '.join(switch)} && exit 3"]
+    assert run_with_checkouts_restored(demo.project, failing) == (3, [])
+    assert branch(demo) == "carry/1.0"
+
+    made = demo.root / "upstream" / "tiny"
+    assert not made.exists()
+    init = ["bash", "-c", f"git init -q -b carry/0.3 {made} && git -C {made} commit -q --allow-empty -m made"]
+    assert run_with_checkouts_restored(demo.project, init) == (0, [])
+    assert git(made, "symbolic-ref", "--short", "HEAD").stdout.strip() == "carry/0.3"
