@@ -23,7 +23,7 @@ from sglang_carry.project import Project
 from sglang_carry.trees import run_with_checkouts_restored
 
 
-def main(argv: Sequence[str] | None = None, root: Path = ROOT) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     command = list(sys.argv[1:] if argv is None else argv)
     if not command:
         print(
@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None, root: Path = ROOT) -> int:
             file=sys.stderr,
         )
         return 2
-    code, not_restored = run_with_checkouts_restored(Project(root), command)
+    code, not_restored = run_with_checkouts_restored(Project(ROOT), command)
     for problem in not_restored:
         print(f"checkouts-restored: error: {problem}", file=sys.stderr)
     return code or (1 if not_restored else 0)

@@ -1056,7 +1056,7 @@ def test_a_parked_run_fails_unless_every_rank_released_the_parked_chunk() -> Non
             scenario="natural-parked",
             started=True,
         )
-        run.unwinds, run.unwound_requests, run.parked_chunk_releases = {"0": 3}, {"long": 3}, releases
+        run.unwound_requests, run.parked_chunk_releases = {"long": 3}, releases
         run.unwinds = {rank: 3 for rank in releases}
         run.scraped = {
             "sglang:num_prefill_unwinds_total": run.unwinds,
