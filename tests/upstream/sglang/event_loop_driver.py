@@ -1,5 +1,7 @@
 """Drive the REAL sglang `Scheduler.event_loop_normal` iteration on CPU, on a `scheduler_harness`
-Harness.
+Harness; `OverlapEventLoopDriver` drives `event_loop_overlap`'s (the default server's loop: a
+batch's result is processed in the next iteration, after that one's batch was launched), with the
+harness's fake device's streams and events.
 
 One `EventLoopDriver.step()` is one pass of `event_loop_normal`'s body (scheduler.py:2144-2175 at
 0.5.23), with the same calls in the same order and the same updates of `running_batch`,
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import contextlib
 import importlib
 import inspect
 import textwrap
@@ -79,6 +82,38 @@ _LOOP_CALLS = (
     "self.process_batch_result(batch, result)",
     "self._sched_idled = True",
     "self.on_idle()",
+    "self.last_batch = batch",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY",
+    "self.invariant_checker.self_check_during_busy()",
+)
+
+# The calls of event_loop_overlap's body OverlapEventLoopDriver replays, in order (the same guard).
+_OVERLAP_LOOP_CALLS = (
+    "self.result_queue",
+    "def pop_and_process():",
+    "self.result_queue.popleft()",
+    "self.process_batch_result(tmp_batch, tmp_result)",
+    "if self.gracefully_exit:",
+    "self.ingest_requests()",
+    "if self._engine_paused:",
+    "self._record_scheduler_state_for_paused_engine()",
+    "self.get_next_batch_to_run(",
+    "self.running_batch = plan.running_batch",
+    "batch = plan.batch_to_run",
+    "self.cur_batch_for_debug = batch",
+    "self.is_disable_overlap_for_batch(",
+    "if disable_overlap_for_batch:",
+    "pop_and_process()",
+    "self.run_batch(batch)",
+    "self._apply_war_barrier()",
+    "self.result_queue.append((batch.copy(), batch_result))",
+    "self._sched_idled = True",
+    "if self.last_batch:",
+    "if not disable_overlap_for_batch:",
+    "pop_and_process()",
+    "elif batch is None:",
+    "self.on_idle()",
+    "self.launch_batch_sample_if_needed(batch_result, batch)",
     "self.last_batch = batch",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY",
     "self.invariant_checker.self_check_during_busy()",
@@ -145,12 +180,13 @@ class FixedTokenWorker:
         return getattr(self.inner, name)
 
 
-def check_tree() -> None:
-    missing = [
-        name
-        for name in ("get_next_batch_to_run", "run_batch", "process_batch_result", "on_idle")
-        if not callable(getattr(Scheduler, name, None))
-    ]
+def check_tree(overlap: bool = False) -> None:
+    """The imported tree's loop (event_loop_overlap with `overlap`, else event_loop_normal) makes
+    the calls the driver replays, in its order (EventLoopUnsupported naming the first it lacks)."""
+    methods: tuple[str, ...] = ("get_next_batch_to_run", "run_batch", "process_batch_result", "on_idle")
+    if overlap:
+        methods += ("is_disable_overlap_for_batch", "_apply_war_barrier", "launch_batch_sample_if_needed")
+    missing = [name for name in methods if not callable(getattr(Scheduler, name, None))]
     if missing:
         raise EventLoopUnsupported(f"this sglang tree's Scheduler has no {missing}")
     params = inspect.signature(Scheduler.get_next_batch_to_run).parameters
@@ -159,13 +195,14 @@ def check_tree() -> None:
             "get_next_batch_to_run(running_batch, last_batch) returning a plan is the loop this "
             f"driver replays; this tree's takes {list(params)}"
         )
-    source = inspect.getsource(Scheduler.event_loop_normal)
+    loop = "event_loop_overlap" if overlap else "event_loop_normal"
+    source = inspect.getsource(getattr(Scheduler, loop))
     at = 0
-    for call in _LOOP_CALLS:
+    for call in _OVERLAP_LOOP_CALLS if overlap else _LOOP_CALLS:
         found = source.find(call, at)
         if found < 0:
             raise EventLoopUnsupported(
-                f"event_loop_normal of this tree no longer makes {call!r} where the driver expects it"
+                f"{loop} of this tree no longer makes {call!r} where the driver expects it"
             )
         at = found + len(call)
 
@@ -173,14 +210,18 @@ def check_tree() -> None:
 class EventLoopDriver:
     """Runs `event_loop_normal`'s iteration on a harness's scheduler (see the module docstring)."""
 
+    overlap = False  # the loop a server runs with --disable-overlap-schedule
+
     def __init__(self, h: sh.Harness, next_token: int = NEXT_TOKEN) -> None:
-        check_tree()
+        check_tree(self.overlap)
         self.h = h
         self.scheduler = h.scheduler
         self.worker = FixedTokenWorker(h.scheduler.tp_worker, next_token)
         self.installed: list[str] = []
         self.detokenizer = sh.FakeTokenizerChannel()  # what the scheduler streams out
         self.iterations: list[Iteration] = []
+        # Whether the last step ran on_idle (the scheduler's own idle check).
+        self.ran_on_idle = False
         _install(self, h)
 
     def step(self) -> Iteration:
@@ -201,12 +242,14 @@ class EventLoopDriver:
         s.running_batch = plan.running_batch
         batch = plan.batch_to_run
         s.cur_batch_for_debug = batch
+        self.ran_on_idle = False
         if batch:
             result = s.run_batch(batch)
             s.process_batch_result(batch, result)
         else:
             s._sched_idled = True
             s.on_idle()
+            self.ran_on_idle = True
         s.last_batch = batch
         if scheduler_module.envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY.get():
             s.invariant_checker.self_check_during_busy()
@@ -229,14 +272,107 @@ class EventLoopDriver:
         raise AssertionError(f"not done after {max_iterations} iterations; the last: {ran[-6:]}")
 
     def run_until_idle(self, max_iterations: int = 200) -> list[Iteration]:
-        """Step until an iteration ran no batch (the loop then ran `on_idle`, the scheduler's own
-        idle leak check among it) with the scheduler fully idle; at most `max_iterations` steps."""
-        return self.run_until(
-            lambda: self.iterations[-1].forward_mode is None and self.is_idle(), max_iterations
-        )
+        """Step until an iteration ran `on_idle` (the scheduler's own idle leak check among it)
+        with the scheduler fully idle; at most `max_iterations` steps. (The overlap loop runs it
+        only in an iteration that follows one without a batch: the one before processed the
+        last batch's result.)"""
+        return self.run_until(lambda: self.ran_on_idle and self.is_idle(), max_iterations)
 
     def run(self, iterations: int) -> list[Iteration]:
         return [self.step() for _ in range(iterations)]
+
+
+class OverlapEventLoopDriver(EventLoopDriver):
+    """Runs `event_loop_overlap`'s iteration (scheduler.py:2199-2272 at 0.5.23; the same body on
+    0.5.20-0.5.23): a batch's result is processed in the NEXT iteration, after that iteration's
+    batch was launched, so its admission and decode step are prepared before the previous
+    batch's requests finish (and the skip of a finishing request's decode, 0.5.22 on).
+
+    The device boundary is the harness's fake device: the schedule, forward and copy streams are
+    its FakeStreams, `copy_done` its FakeEvent. Its constructor runs the loop's prologue (a fresh
+    result queue; enable_skip_finishing_decode where this tree's loop sets it)."""
+
+    overlap = True
+
+    def __init__(self, h: sh.Harness, next_token: int = NEXT_TOKEN) -> None:
+        super().__init__(h, next_token)
+        s = self.scheduler
+        s.result_queue = collections.deque()
+        # 0.5.22 on: a request whose last token is still in flight is not decoded again. Before,
+        # the loop runs one more decode step for it, whose token is thrown away.
+        self.skips_finishing_decode = "self.enable_skip_finishing_decode = True" in inspect.getsource(
+            Scheduler.event_loop_overlap
+        )
+        if self.skips_finishing_decode:
+            s.enable_skip_finishing_decode = True
+
+    def _pop_and_process(self) -> None:
+        s = self.scheduler
+        done_batch, done_result = s.result_queue.popleft()
+        s.process_batch_result(done_batch, done_result)
+
+    def step(self) -> Iteration:
+        """One iteration of event_loop_overlap, without receiving requests."""
+        from sglang.srt.managers import scheduler as scheduler_module
+
+        s = self.scheduler
+        if s.gracefully_exit:
+            raise LoopExited("the scheduler was asked to exit (gracefully_exit)")
+        # self.ingest_requests(): the test queues its requests itself.
+        if s._engine_paused:
+            s._record_scheduler_state_for_paused_engine()
+            it = Iteration("PAUSED", ())
+            self.iterations.append(it)
+            return it
+        plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
+        s.running_batch = plan.running_batch
+        batch = plan.batch_to_run
+        s.cur_batch_for_debug = batch
+        disable_overlap_for_batch = s.is_disable_overlap_for_batch(batch, last_batch=s.last_batch)
+        if disable_overlap_for_batch:
+            self._pop_and_process()
+            if s.enable_unified_memory:
+                with contextlib.suppress(Exception):
+                    s.token_to_kv_pool_allocator.flush_opportunistic()
+        if batch:
+            batch_result = s.run_batch(batch)
+            s._apply_war_barrier()
+            s.result_queue.append((batch.copy(), batch_result))
+        else:
+            batch_result = None
+            s._sched_idled = True
+        self.ran_on_idle = False
+        if s.last_batch:
+            if not disable_overlap_for_batch:
+                self._pop_and_process()
+        elif batch is None:
+            s.on_idle()
+            self.ran_on_idle = True
+        if s.is_generation:
+            s.launch_batch_sample_if_needed(batch_result, batch)
+        s.last_batch = batch
+        if scheduler_module.envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY.get():
+            s.invariant_checker.self_check_during_busy()
+        it = Iteration.of(batch)
+        self.iterations.append(it)
+        return it
+
+
+class StreamContextStandIn:
+    """What `device_module.stream(stream)` returns on a real device: a context that can be entered
+    again and again (the loop keeps one per stream), here around the fake device's `stream()`."""
+
+    def __init__(self, device: Any, stream: Any) -> None:
+        self.device, self.stream = device, stream
+        self._entered: list[Any] = []
+
+    def __enter__(self) -> Any:
+        context = self.device.stream(self.stream)
+        self._entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._entered.pop().__exit__(*exc)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,11 +564,13 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
     SessionController = _upstream("sglang.srt.session.session_controller", "SessionController")
 
     s = h.scheduler
-    if s.enable_overlap:
+    if s.enable_overlap and not driver.overlap:
         raise EventLoopUnsupported(
             "event_loop_normal runs with --disable-overlap-schedule: build the harness with "
-            "enable_overlap=False"
+            "enable_overlap=False (or drive event_loop_overlap: OverlapEventLoopDriver)"
         )
+    if driver.overlap and not s.enable_overlap:
+        raise EventLoopUnsupported("event_loop_overlap runs with enable_overlap=True (the harness's default)")
     if getattr(s.metrics_reporter, "enable_metrics", False):
         raise EventLoopUnsupported("install the driver before Harness.enable_metrics()")
     cfg = h.cfg
@@ -527,6 +665,25 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
         i.replace("future_map", future_map, "the harness's None: no batch ran before")
         # init_beam_coordinator (:2765) builds the coordinator with it.
         s.beam_coordinator.future_map = future_map
+    # -- the overlap loop's streams (init_model_worker :1297 and :1348-1362, init_overlap
+    #    :1848-1880, run_event_loop :2144): the harness's fake device, whose forward stream the
+    #    model runner holds. The write-after-read barrier is CUDA's (is_cuda()), off here.
+    if driver.overlap:
+        device = h.device
+        if not isinstance(device, sh.FakeDeviceModule):
+            raise EventLoopUnsupported("OverlapEventLoopDriver drives the harness's CPU fake device")
+        i.set("device_module", lambda: device, by="init_overlap")
+        i.set("schedule_stream", lambda: device.Stream(), by="init_model_worker")
+        i.set("forward_stream", lambda: s.tp_worker.model_runner.forward_stream, by="init_model_worker")
+        i.set("forward_stream_ctx", lambda: StreamContextStandIn(device, s.forward_stream), by="init_overlap")
+        i.set("copy_stream", lambda: device.Stream(), by="init_overlap")
+        i.set("copy_stream_ctx", lambda: StreamContextStandIn(device, s.copy_stream), by="init_overlap")
+        i.set("enable_async_d2h_copy", lambda: False, by="init_overlap")
+        i.set("async_d2h_worker", lambda: None, by="init_overlap")
+        i.set("_confidence_budget_prepare", lambda: None, by="init_overlap")
+        i.set("batch_record_buf", lambda: [None] * 2, by="init_overlap")
+        i.set("batch_record_ct", lambda: 0, by="init_overlap")
+        i.set("_war_barrier_enabled", lambda: False, by="run_event_loop")
     # -- components ----------------------------------------------------------------------------
     i.call("maybe_init_scripted_scheduler_hook", ("scripted_scheduler_hook",))
     i.call("init_profiler", ("profiler_manager",))

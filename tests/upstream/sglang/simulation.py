@@ -9,8 +9,10 @@ co-tenants of a kvcached-shaped pool that take and return physical memory, their
 at every read (`SimPlan.co_tenants`). The co-tenants leave after `CO_TENANTS_LEAVE_AT`, so every
 request can finish.
 
-Each rank drives `event_loop_driver.EventLoopDriver` (event_loop_normal's iteration; the model
-forward is the only fake) and records, per iteration, the batch it ran (forward mode, requests,
+Each rank drives `event_loop_driver.EventLoopDriver` (event_loop_normal's iteration) or, in about
+half the seeds (drawn apart from the rest of the plan), `OverlapEventLoopDriver`
+(event_loop_overlap's, which processes each batch's result one iteration later); the model
+forward is the only fake. It records, per iteration, the batch it ran (forward mode, requests,
 prefill tokens) and every collective it made, in order (operation, group, reduce op, shape and
 dtype; `torch.distributed`'s functions wrapped for the run). `judge` compares the two ranks'
 records: the same batch and the same collectives in every iteration, no exception on either rank,
@@ -21,8 +23,7 @@ one line that runs it alone.
 With HiCache on, most seeds let each device copy (a write-through backup, a load) land at a random
 later iteration, on each rank by its own schedule (`SimPlan.copy_landing`).
 
-Not simulated (stated, not hidden): `event_loop_overlap` (the driver replays event_loop_normal
-only), L3 storage, speculative decoding, PD disaggregation.
+Not simulated (stated, not hidden): L3 storage, speculative decoding, PD disaggregation.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from unittest import mock
 import scheduler_harness as sh
 import torch
 import torch.distributed as dist
-from event_loop_driver import EventLoopDriver, Iteration
+from event_loop_driver import EventLoopDriver, Iteration, OverlapEventLoopDriver
 
 # Upstream's idle leak check (invariant_checker.py), strict by default.
 STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"
@@ -84,6 +85,8 @@ class SimPlan:
     copy_landing: tuple[float, float] = (1.0, 1.0)
     # Per rank: the tokens it holds mapped at the start (the decode credit's reading).
     mapped: tuple[int, int] = (0, 0)
+    # The loop both ranks run: event_loop_overlap (the default server's) or event_loop_normal.
+    overlap: bool = False
 
     def summary(self) -> str:
         aborted = sum(r.aborted_at is not None for r in self.requests)
@@ -92,7 +95,8 @@ class SimPlan:
             f" mamba {self.mamba}, hicache {self.hicache}, {len(self.requests)} requests ({aborted} aborted),"
             f" co-tenants up to {self.co_tenants[0]} / {self.co_tenants[1]} tokens,"
             f" copies landing per iteration {self.copy_landing[0]:.2f} / {self.copy_landing[1]:.2f},"
-            f" held mapped {self.mapped[0]} / {self.mapped[1]} tokens"
+            f" held mapped {self.mapped[0]} / {self.mapped[1]} tokens,"
+            f" {'event_loop_overlap' if self.overlap else 'event_loop_normal'}"
         )
 
     def harness_config(self) -> dict[str, Any]:
@@ -103,7 +107,7 @@ class SimPlan:
             "mamba": self.mamba,
             "hicache": self.hicache,
             "auto_complete_events": self.copy_landing == (1.0, 1.0),
-            "enable_overlap": False,  # event_loop_normal
+            "enable_overlap": self.overlap,
         }
 
 
@@ -149,6 +153,8 @@ def plan(seed: int) -> SimPlan:
         # Held-mapped memory (the decode credit) is off: with it, a rank of some seed failed
         # outside the loop (a gloo collective timeout), not yet diagnosed.
         mapped=(0, 0),
+        # Drawn apart, so that what the seed decides above is the same with either loop.
+        overlap=random.Random(f"{seed}-loop").random() < 0.5,
     )
 
 
@@ -253,7 +259,7 @@ def _recorded_step(driver: EventLoopDriver, made: list[Collective], record: Rank
 def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
     """One rank's run of a seed (a MultiRoundScenario of test_rank_agreement.run_two_ranks)."""
     record = RankRecord()
-    driver = EventLoopDriver(h)
+    driver = (OverlapEventLoopDriver if sim.overlap else EventLoopDriver)(h)
     assert h.physical is not None, "the simulation needs the kvcached-shaped pool (elastic)"
     if sim.co_tenants[rank]:
         h.physical.drift(_co_tenant_readings(sim.seed, rank, sim.co_tenants[rank]))

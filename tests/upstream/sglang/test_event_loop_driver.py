@@ -5,9 +5,11 @@ decode), `run_batch` (the model forward is the only fake: token 7 for every requ
 `process_batch_result` (finish, release, streaming) until every request finished, and the
 scheduler's own idle check runs (`on_idle`).
 
-On one rank: requests of different lengths, arriving in two waves; and a prompt longer than a
-prefill chunk. On two forked gloo ranks with elastic (rank-local) KV pools whose readings drift:
-the same requests, the same batches on both ranks in every iteration.
+Each on both loops a server runs (event_loop_normal, and event_loop_overlap, which processes each
+batch's result one iteration later). On one rank: requests of different lengths, arriving in two
+waves; and a prompt longer than a prefill chunk. On two forked gloo ranks with elastic
+(rank-local) KV pools whose readings drift: the same requests, the same batches on both ranks in
+every iteration.
 
 `test_the_credit_counts_the_rows_of_the_batch_the_loop_merged` checks a reported bug of the 0.5.23
 series and is EXPECTED TO FAIL on today's code (see its docstring).
@@ -15,16 +17,32 @@ series and is EXPECTED TO FAIL on today's code (see its docstring).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import scheduler_harness as sh
-from event_loop_driver import NEXT_TOKEN, EventLoopDriver, Iteration, check_tree
+from event_loop_driver import NEXT_TOKEN, EventLoopDriver, Iteration, OverlapEventLoopDriver, check_tree
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
 from test_prefill_unwind import _prompt
 from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
 
 NO_OVERLAP: dict[str, Any] = {"enable_overlap": False}  # event_loop_normal's mode
+# Each loop a server runs: its driver and the harness flags of its mode (--disable-overlap-schedule
+# for event_loop_normal; overlap, the default, for event_loop_overlap).
+LOOPS: dict[str, tuple[type[EventLoopDriver], dict[str, Any]]] = {
+    "normal": (EventLoopDriver, NO_OVERLAP),
+    "overlap": (OverlapEventLoopDriver, {"enable_overlap": True}),
+}
+# The iterations a loop runs once its last batch ran: none of them has a batch; the overlap loop
+# processes the last batch's result in the first, and runs on_idle in the second.
+IDLE_TAIL = {"normal": [(None, ())], "overlap": [(None, ()), (None, ())]}
+
+
+def _extra_decodes(driver: EventLoopDriver) -> int:
+    """The decode steps the loop runs past the last token: one on the overlap loop of a tree that
+    does not skip a finishing request's decode (0.5.20-0.5.21), its token thrown away."""
+    return int(isinstance(driver, OverlapEventLoopDriver) and not driver.skips_finishing_decode)
 
 
 def _queue(h: sh.Harness, i: int, length: int, max_new_tokens: int) -> Req:
@@ -51,47 +69,55 @@ def _fingerprints(iterations: list[Iteration]) -> list[tuple[str | None, tuple[s
     return [(it.forward_mode, it.rids) for it in iterations]
 
 
-def test_the_driver_replays_this_trees_loop() -> None:
-    """event_loop_normal of the imported tree makes the calls the driver replays, in its order."""
-    check_tree()
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_the_driver_replays_this_trees_loop(overlap: bool) -> None:
+    """event_loop_normal and event_loop_overlap of the imported tree make the calls the drivers
+    replay, in their order."""
+    check_tree(overlap)
 
 
-def test_requests_of_different_lengths_finish_through_the_real_loop() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_requests_of_different_lengths_finish_through_the_real_loop(loop: str) -> None:
     """Two requests, then two more once the first prefill ran: the loop merges the first prefill
     batch into the running batch while it admits the second, then decodes all four together until
-    each has max_new_tokens; the next iteration finds nothing to run, and on_idle's strict leak
-    check passes (it raises on a leak), as does the harness's."""
+    each has max_new_tokens; then no batch is left to run, and on_idle's strict leak check passes
+    (it raises on a leak), as does the harness's. The overlap loop processes each batch's result
+    one iteration later, after it launched the next batch."""
     max_new = 6
-    with sh.build_harness(**NO_OVERLAP) as h:
-        driver = EventLoopDriver(h)
+    driver_class, flags = LOOPS[loop]
+    with sh.build_harness(**flags) as h:
+        driver = driver_class(h)
         reqs = [_queue(h, 0, 5, max_new), _queue(h, 1, 17, max_new)]
         driver.step()
+        assert [len(req.output_ids) for req in reqs] == ([1, 1] if loop == "normal" else [0, 0])
         reqs += [_queue(h, 2, 40, max_new), _queue(h, 3, 64, max_new)]
         driver.run_until_idle(max_iterations=20)
 
         assert _fingerprints(driver.iterations) == [
             ("EXTEND", ("r0", "r1")),
             ("EXTEND", ("r2", "r3")),
-            *[("DECODE", ("r0", "r1", "r2", "r3"))] * (max_new - 1),
-            (None, ()),
+            *[("DECODE", ("r0", "r1", "r2", "r3"))] * (max_new - 1 + _extra_decodes(driver)),
+            *IDLE_TAIL[loop],
         ]
         assert [it.extend_tokens for it in driver.iterations[:2]] == [5 + 17, 40 + 64]
         for req in reqs:
             assert list(req.output_ids) == [NEXT_TOKEN] * max_new, req.rid
             assert isinstance(req.finished_reason, FINISH_LENGTH), req.rid
-        assert len(driver.worker.forwards) == 2 + (max_new - 1)
+        assert len(driver.worker.forwards) == 2 + (max_new - 1) + _extra_decodes(driver)
         assert driver.detokenizer.outputs, "the result processor streamed nothing"
         assert h.scheduler.running_batch.is_empty() and h.scheduler.last_batch is None
         assert h.idle_leak_report() == []
 
 
-def test_a_prompt_longer_than_a_chunk_runs_in_chunks_through_the_real_loop() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_prompt_longer_than_a_chunk_runs_in_chunks_through_the_real_loop(loop: str) -> None:
     """chunked_prefill_size 16, a 40-token prompt and a 5-token one: the long prompt's prefill runs
     in 3 chunks of at most 16 tokens over 3 iterations (the short one joins the last chunk's
     batch), without output until its last chunk; then both decode to max_new_tokens."""
     max_new, chunk = 4, 16
-    with sh.build_harness(**NO_OVERLAP, chunked_prefill_size=chunk) as h:
-        driver = EventLoopDriver(h)
+    driver_class, flags = LOOPS[loop]
+    with sh.build_harness(**flags, chunked_prefill_size=chunk) as h:
+        driver = driver_class(h)
         long_req, short_req = _queue(h, 0, 40, max_new), _queue(h, 1, 5, max_new)
         outputs_per_iteration = []
         while not (long_req.finished() and short_req.finished()):
@@ -103,10 +129,10 @@ def test_a_prompt_longer_than_a_chunk_runs_in_chunks_through_the_real_loop() -> 
         extends = [it for it in driver.iterations if it.forward_mode == "EXTEND"]
         assert [it.rids for it in extends] == [("r0",), ("r0",), ("r0", "r1")]
         assert [it.extend_tokens for it in extends] == [16, 16, 8 + 5]
-        assert outputs_per_iteration[:3] == [0, 0, 1]  # no output before the last chunk
-        assert _fingerprints(driver.iterations[3:]) == [("DECODE", ("r0", "r1"))] * (max_new - 1) + [
-            (None, ())
-        ]
+        # No output before the last chunk ran (the overlap loop processes it one iteration later).
+        assert outputs_per_iteration[:4] == ([0, 0, 1, 2] if loop == "normal" else [0, 0, 0, 1])
+        decodes = max_new - 1 + _extra_decodes(driver)
+        assert _fingerprints(driver.iterations[3:]) == [("DECODE", ("r0", "r1"))] * decodes + IDLE_TAIL[loop]
         for req in (long_req, short_req):
             assert list(req.output_ids) == [NEXT_TOKEN] * max_new, req.rid
         assert h.scheduler.chunked_req is None
@@ -120,12 +146,12 @@ WAVES = [[(0, 5), (1, 17)], [(2, 40), (3, 64)]]  # (prompt index, length), a wav
 TWO_RANK_MAX_NEW = 6
 
 
-def _two_waves_on_elastic_pools(h: sh.Harness, rank: int) -> dict[str, Any]:
+def _two_waves_on_elastic_pools(h: sh.Harness, rank: int, loop: str = "normal") -> dict[str, Any]:
     """One rank: the requests of WAVES, the second wave queued after the first iteration; the loop
     runs until every request finished. The pools' real readings drift at every reading, differently
     on each rank (test_rank_agreement._drift_in_the_background). Then the co-tenants leave, so that
     the idle iteration's strict leak check compares the pools with their totals."""
-    driver = EventLoopDriver(h)
+    driver = LOOPS[loop][0](h)
     reqs: list[Req] = []
     for wave in WAVES:
         reqs += [_queue(h, i, length, TWO_RANK_MAX_NEW) for i, length in wave]
@@ -140,23 +166,30 @@ def _two_waves_on_elastic_pools(h: sh.Harness, rank: int) -> dict[str, Any]:
         "decode_misses": h.scheduler.num_decode_allocation_misses,
         "unwinds": sh.num_prefill_unwinds(h),
         "leaks": h.idle_leak_report(),
+        "extra_decodes": _extra_decodes(driver),
     }
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> TwoRanks:
-    name = "loop_two_waves"
-    return run_two_ranks([name], {name: _two_waves_on_elastic_pools}, {}, {name: NO_OVERLAP})
+    names = {f"loop_two_waves_{loop}": loop for loop in LOOPS}
+    return run_two_ranks(
+        list(names),
+        {name: functools.partial(_two_waves_on_elastic_pools, loop=loop) for name, loop in names.items()},
+        {},
+        {name: LOOPS[loop][1] for name, loop in names.items()},
+    )
 
 
-def test_two_ranks_run_the_same_batches_through_the_real_loop(two_ranks: TwoRanks) -> None:
-    ranks = two_ranks.scenario("loop_two_waves")
+@pytest.mark.parametrize("loop", LOOPS)
+def test_two_ranks_run_the_same_batches_through_the_real_loop(two_ranks: TwoRanks, loop: str) -> None:
+    ranks = two_ranks.scenario(f"loop_two_waves_{loop}")
     assert ranks[0]["iterations"] == ranks[1]["iterations"]
     assert ranks[0]["iterations"] == [
         ("EXTEND", ("r0", "r1")),
         ("EXTEND", ("r2", "r3")),
-        *[("DECODE", ("r0", "r1", "r2", "r3"))] * (TWO_RANK_MAX_NEW - 1),
-        (None, ()),
+        *[("DECODE", ("r0", "r1", "r2", "r3"))] * (TWO_RANK_MAX_NEW - 1 + ranks[0]["extra_decodes"]),
+        *IDLE_TAIL[loop],
     ]
     for rank, result in ranks.items():
         assert result["finished"] == {

@@ -34,9 +34,11 @@ TREES_PART = (
     "the ranks' trees part (what is on device differs after a round the ranks admitted"
     " differently), admission differs three rounds in a row, and the scheduler stops by name",
 )
+# Seeds 12, 55, 159 and 172 run event_loop_overlap (55 and 159 failed as ONE_RANK_LOAD on
+# event_loop_normal; 67, 120, 122 and 168 passed once they ran the overlap loop).
 KNOWN_FAILURES: dict[int, tuple[str, str]] = {
-    **dict.fromkeys((31, 37, 55, 67, 122, 159, 168), ONE_RANK_LOAD),
-    **dict.fromkeys((47, 120), TREES_PART),
+    **dict.fromkeys((31, 37), ONE_RANK_LOAD),
+    **dict.fromkeys((12, 47, 55, 159, 172), TREES_PART),
 }
 # A rank's whole run of its seeds, at most (the forked ranks are killed past it).
 RUN_TIMEOUT_S = 1500.0
