@@ -140,6 +140,9 @@ def test_hook_misses_where_the_tree_allocates_a_loading_batch(
         "agreement_us": 0,
         "withheld_amounts": 0,
         "parked_chunk_releases": 0,
+        "iterations": 0,
+        "idle_round_all_reduces": 0,
+        "idle_round_iterations": 0,
         "unwound_rids": {},
         "died_with": None,
     }
@@ -261,6 +264,54 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
     assert counts["decode_votes"] == 1
     # The time inside them, measured around the real reduce (each took at least 20 ms).
     assert 60_000 <= counts["agreement_us"] < 5_000_000
+
+
+def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tmp_path: Path) -> None:
+    """Each call of get_next_batch_to_run is one loop iteration; the agreement's all-reduces made
+    inside one that ran no prefill batch are counted, a decode step's vote aside."""
+
+    class Mode:
+        def __init__(self, extend: bool) -> None:
+            self.extend = extend
+
+        def is_extend(self) -> bool:
+            return self.extend
+
+    class Scheduler:
+        @functools.cached_property
+        def _prefill_agreement(self) -> Agreement:
+            return Agreement(lambda vote: None, None)
+
+        def get_next_batch_to_run(self, running_batch: Any, last_batch: Any) -> Any:
+            votes, decode_vote, extend = running_batch
+            for _ in range(votes):
+                self._prefill_agreement.reduce([0])
+            if decode_vote:
+                with injector.preparing_decode():
+                    self._prefill_agreement.reduce([0])
+            batch = None if extend is None else SimpleNamespace(forward_mode=Mode(extend))
+            return SimpleNamespace(batch_to_run=batch, running_batch=None)
+
+        def run_event_loop(self) -> None:
+            pass
+
+    injector = hook.Injector(limit=0, counters_dir=tmp_path)
+    assert "get_next_batch_to_run" in hook.wrap_scheduler(Scheduler, injector)
+    scheduler = Scheduler()
+    iterations = [
+        (1, False, True),  # a prefill round admitted: its vote is not counted
+        (1, False, None),  # a round that admitted nothing, its vote made anyway: counted
+        (0, True, False),  # a decode step's vote: not counted
+        (2, True, False),  # a decode step after a round that admitted nothing (two all-reduces)
+        (0, False, None),  # idle: nothing
+    ]
+    for iteration in iterations:
+        plan = scheduler.get_next_batch_to_run(iteration, None)
+        assert plan.running_batch is None  # the plan is passed on as it is
+    assert injector.counts["iterations"] == 5
+    assert injector.counts["idle_round_all_reduces"] == 3
+    assert injector.counts["idle_round_iterations"] == 2
+    assert injector.counts["agreement_all_reduces"] == 6 and injector.counts["decode_votes"] == 2
 
 
 class Allocator:
@@ -949,9 +1000,13 @@ def test_a_rank_local_control_shows_decode_steps_run_on_the_credit(
         "dense", "tp2-natural-control", "control", tp=2, scenario="natural", started=True, rank_local=True
     )
     run.decode_steps, run.decode_votes = steps, votes
+    run.iterations, run.idle_round_all_reduces = {"0": 61, "1": 60}, {"0": 12, "1": 11}
     judge(run, [traffic.Outcome("long", True, [1])], None, NATURAL)
     assert run.ok is ok, run.verdict
-    tail = f"decode steps 0:40 1:40, decode votes 0:9 1:{votes['1']}"
+    tail = (
+        f"decode steps 0:40 1:40, decode votes 0:9 1:{votes['1']}; iterations 0:61 1:60,"
+        " all-reduces in iterations that admitted nothing 0:12 1:11"
+    )
     expected = (
         f"all requests finished, no miss; {tail}"
         if ok

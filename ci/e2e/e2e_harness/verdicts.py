@@ -98,6 +98,10 @@ class Run:
     # all-reduces made while a step was prepared).
     decode_steps: dict[str, int] = field(default_factory=dict)
     decode_votes: dict[str, int] = field(default_factory=dict)
+    # Per TP rank: event-loop iterations, and the agreement's all-reduces (decode votes aside) made
+    # in iterations that admitted no prefill batch (a round that admits nothing).
+    iterations: dict[str, int] = field(default_factory=dict)
+    idle_round_all_reduces: dict[str, int] = field(default_factory=dict)
     # A patched run's series counters read from the server's own /metrics after the traffic, per
     # TP rank (metrics.scrape); None where the run was not scraped or /metrics could not be read.
     scraped: dict[str, dict[str, int]] | None = None
@@ -159,6 +163,9 @@ def take_counters(run: Run, records: list[dict[str, Any]]) -> None:
         run.mamba_slot_misses[rank] = run.mamba_slot_misses.get(rank, 0) + slot_misses
         run.decode_steps[rank] = run.decode_steps.get(rank, 0) + int(record.get("decode_steps", 0))
         run.decode_votes[rank] = run.decode_votes.get(rank, 0) + int(record.get("decode_votes", 0))
+        run.iterations[rank] = run.iterations.get(rank, 0) + int(record.get("iterations", 0))
+        idle = int(record.get("idle_round_all_reduces", 0))
+        run.idle_round_all_reduces[rank] = run.idle_round_all_reduces.get(rank, 0) + idle
         withheld = int(record.get("withheld_readings", 0))
         run.withheld_readings[rank] = run.withheld_readings.get(rank, 0) + withheld
         amounts = int(record.get("withheld_amounts", 0))
@@ -206,10 +213,15 @@ def voted_on_every_decode_step(run: Run) -> bool:
 
 
 def decode_votes(run: Run) -> str:
-    """A rank-local run's decode steps and the ranks' votes on them, per rank (empty otherwise)."""
+    """A rank-local run's decode steps and the ranks' votes on them, and its loop iterations with
+    the all-reduces made in those that admitted nothing, per rank (empty otherwise)."""
     if not run.rank_local:
         return ""
-    return f"; decode steps {per_rank(run.decode_steps)}, decode votes {per_rank(run.decode_votes)}"
+    return (
+        f"; decode steps {per_rank(run.decode_steps)}, decode votes {per_rank(run.decode_votes)}"
+        f"; iterations {per_rank(run.iterations)}, all-reduces in iterations that admitted nothing"
+        f" {per_rank(run.idle_round_all_reduces)}"
+    )
 
 
 def complete(

@@ -85,6 +85,8 @@ UNWIND_METHOD = "_unwind_prefill_batch"
 PARKED_RELEASE_METHOD = "_release_parked_chunk"
 # The carried agreement (a cached property whose `reduce` makes every vote's all-reduce).
 AGREEMENT_PROPERTY = "_prefill_agreement"
+# Called once per event-loop iteration (both loops), returning its plan (its batch_to_run).
+NEXT_BATCH_METHOD = "get_next_batch_to_run"
 # The scheduler's event loop, outermost first (run_event_loop dispatches to one event_loop_*).
 EVENT_LOOP_METHODS = ("run_event_loop", "event_loop_normal", "event_loop_overlap")
 
@@ -126,6 +128,13 @@ class Injector:
             "withheld_amounts": 0,
             # Parked chunked requests released by a decode step that could not fit its last request.
             "parked_chunk_releases": 0,
+            # Event-loop iterations (calls of get_next_batch_to_run), and, among those that ran no
+            # prefill batch (admitted nothing), the agreement's all-reduces other than decode votes
+            # they made, and how many such iterations made any: what a round that admits nothing
+            # costs in collectives.
+            "iterations": 0,
+            "idle_round_all_reduces": 0,
+            "idle_round_iterations": 0,
         }
         # Each request whose prefill was put back (by rid), and how often.
         self.unwound_rids: dict[str, int] = {}
@@ -163,6 +172,24 @@ class Injector:
         decode_vote = int(getattr(self._local, "preparing_decode", False))
         self.add(
             {"agreement_all_reduces": 1, "agreement_us": spent_us, "decode_votes": decode_vote}, SAVE_EVERY_S
+        )
+
+    def rounds_all_reduces(self) -> int:
+        """The agreement's all-reduces so far other than decode votes (a round's own)."""
+        with self._lock:
+            return self.counts["agreement_all_reduces"] - self.counts["decode_votes"]
+
+    def iteration(self, admitted: bool, all_reduces: int) -> None:
+        """One event-loop iteration: whether it ran a prefill batch, and the agreement's
+        all-reduces other than decode votes that it made."""
+        idle = not admitted and all_reduces > 0
+        self.add(
+            {
+                "iterations": 1,
+                "idle_round_all_reduces": 0 if admitted else all_reduces,
+                "idle_round_iterations": int(idle),
+            },
+            SAVE_EVERY_S,
         )
 
     @contextlib.contextmanager
@@ -533,6 +560,20 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
         counted.__set_name__(scheduler_class, AGREEMENT_PROPERTY)
         setattr(scheduler_class, AGREEMENT_PROPERTY, counted)
         wrapped.append(AGREEMENT_PROPERTY)
+    next_batch = scheduler_class.__dict__.get(NEXT_BATCH_METHOD)
+    if next_batch is not None:
+
+        def get_next_batch_to_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            before = injector.rounds_all_reduces()
+            plan = next_batch(self, *args, **kwargs)
+            batch = getattr(plan, "batch_to_run", plan)
+            mode = getattr(batch, "forward_mode", None)
+            admitted = mode is not None and bool(mode.is_extend())
+            injector.iteration(admitted, injector.rounds_all_reduces() - before)
+            return plan
+
+        setattr(scheduler_class, NEXT_BATCH_METHOD, get_next_batch_to_run)
+        wrapped.append(NEXT_BATCH_METHOD)
     loop_name = next(n for n in EVENT_LOOP_METHODS if n in scheduler_class.__dict__)
     loop = scheduler_class.__dict__[loop_name]
 
