@@ -541,6 +541,8 @@ class PhysicalMemory:
         self.uniform: Callable[[], int] = allocator.available_size
         self.taken: Callable[[], int] = lambda: 0
         self.mapped_free = 0
+        # Readings of the mapped free space taken: kvcached unmaps the pages emptied before one.
+        self.guaranteed_readings = 0
         real_alloc = allocator.alloc
 
         def alloc(need_size: int, *args: Any, **kwargs: Any) -> Any:
@@ -551,8 +553,13 @@ class PhysicalMemory:
 
         allocator.uniform_available_size = self.uniform
         allocator.available_size = self.available
-        allocator.guaranteed_available_size = lambda: self.mapped_free
+        allocator.guaranteed_available_size = self.guaranteed
         allocator.alloc = alloc
+
+    def guaranteed(self) -> int:
+        """The free space no co-tenant can take (kvcached: its free blocks on mapped pages)."""
+        self.guaranteed_readings += 1
+        return self.mapped_free
 
     def available(self) -> int:
         unmapped = max(0, self.uniform() - self.mapped_free)

@@ -122,16 +122,45 @@ def _decode_credit_after_a_put_back_round(h: sh.Harness, rank: int) -> dict[str,
     return {"steps": first + _decode_steps(h, batch, 3, votes), "unwinds": unwinds}
 
 
+def _idle_after_decoding_on_a_credit(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Two requests run to their end through the real loop (event_loop_normal's iteration), their
+    decode steps on a credit (both ranks hold 60 free tokens mapped, beside the co-tenants' drift),
+    then the co-tenants leave and the loop goes idle.
+    Going idle ends the credit and reads the pool once more: kvcached unmaps the pages it kept
+    mapped for the credit when that reading is taken, so a server left idle gives them back to its
+    co-tenants (without the reading they stay mapped until the next request)."""
+    from event_loop_driver import EventLoopDriver
+
+    driver = EventLoopDriver(h)
+    assert h.physical is not None
+    h.physical.hold_mapped(60)
+    reqs = [h.make_req(_prompt(i, 5 + 7 * i), rid=f"r{i}", max_new_tokens=6) for i in range(2)]
+    for req in reqs:
+        h.scheduler._add_request_to_queue(req)
+    driver.run_until(lambda: all(req.finished() for req in reqs), max_iterations=20)
+    h.physical.take(0)  # the co-tenants leave: the idle leak check compares the pool with its total
+    before = h.physical.guaranteed_readings
+    driver.run_until_idle(max_iterations=5)
+    credit = h.scheduler._prefill_agreement.decode_credit
+    return {
+        "iterations": [(it.forward_mode, it.rids) for it in driver.iterations],
+        "readings_while_idle": h.physical.guaranteed_readings - before,
+        "steps_left_once_idle": credit.take_step(),
+    }
+
+
 CREDIT_SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_decode_credit": _decode_on_a_credit,
     "tp_decode_credit_prefill": _decode_credit_after_a_prefill,
     "tp_decode_credit_put_back": _decode_credit_after_a_put_back_round,
+    "tp_decode_credit_idle": _idle_after_decoding_on_a_credit,
 }
+CONFIGS = {"tp_decode_credit_idle": {"enable_overlap": False}}  # event_loop_normal's mode
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> TwoRanks:
-    return run_two_ranks(list(CREDIT_SCENARIOS), CREDIT_SCENARIOS, {})
+    return run_two_ranks(list(CREDIT_SCENARIOS), CREDIT_SCENARIOS, {}, CONFIGS)
 
 
 def test_steps_the_ranks_agreed_no_rank_can_miss_run_without_a_vote(two_ranks: TwoRanks) -> None:
@@ -162,3 +191,12 @@ def test_a_prefill_round_put_back_ends_the_credit(two_ranks: TwoRanks) -> None:
     steps = ranks[0]["steps"]
     assert [s["votes"] for s in steps] == [1, 1, 0, 2]
     assert [s["misses"] for s in steps] == [0, 0, 0, 1]
+
+
+def test_going_idle_ends_the_credit_and_reads_the_pool(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_decode_credit_idle")
+    assert ranks[0]["iterations"] == ranks[1]["iterations"]
+    assert ranks[0]["iterations"][-1] == (None, ())  # on_idle ran
+    for rank, seen in ranks.items():
+        assert seen["readings_while_idle"] == 1, rank
+        assert seen["steps_left_once_idle"] is False, rank
