@@ -532,6 +532,21 @@ def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     }
 
 
+def _admitted_apart(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Four requests share a 32-token prefix, which only rank 0 has cached (the ranks' trees
+    differ): with 64-token chunks rank 0 admits all four (8 new tokens each), rank 1 two (the
+    second chunked). The round is put back on both ranks, and the next round's admission cap is
+    half the largest batch any rank admitted, the vote's, alike on both ranks (4 // 2 = 2): from
+    its own batch rank 1 would cap at 1, and the ranks would admit differently again."""
+    prefix = list(range(3000, 3032))
+    if rank == 0:
+        h.cache_prefix(prefix)
+    for i in range(4):
+        h.add_request([*prefix, *range(4000 + 10 * i, 4008 + 10 * i)])
+    outcome = _round_outcome(h)
+    return {"outcome": outcome, "cap": h.scheduler.prefill_unwind_admit_cap}
+
+
 def _chunk_sizes_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     """The ranks' chunk sizes differ in some rounds (rank 1's is 16 tokens smaller), so they
     schedule the same request from the same prefix to different extend ends: the fingerprint
@@ -765,10 +780,11 @@ MULTI_ROUND_SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_trees_differ": _trees_differ,
     "tp_chunk_sizes_differ": _chunk_sizes_differ,
     "tp_idle_round": _idle_round_keeps_the_cap,
+    "tp_admitted_apart": _admitted_apart,
 }
 
 
-CHUNKED_SCENARIOS = {"tp_trees_differ", "tp_chunk_sizes_differ"}
+CHUNKED_SCENARIOS = {"tp_trees_differ", "tp_chunk_sizes_differ", "tp_admitted_apart"}
 # Built with a pool this size (the default else).
 KV_TOKENS = {"tp_drift_rounds": 256, "tp_drift_prefetch_checks": 256, "tp_decode_after_vote": 256}
 # Run on their own ranks: on a series where the ranks' collectives stop lining up, a scenario
@@ -838,6 +854,12 @@ def test_a_round_where_no_rank_admits_keeps_the_cap(two_ranks: TwoRanks) -> None
     for r in ranks.values():
         assert r["cap_after_unwind"] is not None
         assert r["idle"] is None and r["cap_after_idle"] == r["cap_after_unwind"]
+
+
+def test_ranks_that_admitted_apart_cap_the_next_round_alike(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_admitted_apart")
+    assert ranks[0]["outcome"] == ranks[1]["outcome"] is None  # put back on both ranks
+    assert ranks[0]["cap"] == ranks[1]["cap"] == 2
 
 
 def test_a_cotenant_race_is_one_miss_agreed_on_every_rank(two_ranks: TwoRanks) -> None:
