@@ -67,9 +67,8 @@ from sglang.srt import runtime_context
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import Scheduler
 
-# The calls of event_loop_normal's body this driver replays, in order (a guard against a tree whose
-# loop changed: the driver would then replay a loop that no longer exists).
-_LOOP_CALLS = (
+# The calls both loops' bodies begin with, in order (the driver's _next_batch).
+_LOOP_HEAD = (
     "if self.gracefully_exit:",
     "self.ingest_requests()",
     "if self._engine_paused:",
@@ -78,6 +77,11 @@ _LOOP_CALLS = (
     "self.running_batch = plan.running_batch",
     "batch = plan.batch_to_run",
     "self.cur_batch_for_debug = batch",
+)
+# The calls of event_loop_normal's body this driver replays, in order (a guard against a tree whose
+# loop changed: the driver would then replay a loop that no longer exists).
+_LOOP_CALLS = (
+    *_LOOP_HEAD,
     "self.run_batch(batch)",
     "self.process_batch_result(batch, result)",
     "self._sched_idled = True",
@@ -93,14 +97,7 @@ _OVERLAP_LOOP_CALLS = (
     "def pop_and_process():",
     "self.result_queue.popleft()",
     "self.process_batch_result(tmp_batch, tmp_result)",
-    "if self.gracefully_exit:",
-    "self.ingest_requests()",
-    "if self._engine_paused:",
-    "self._record_scheduler_state_for_paused_engine()",
-    "self.get_next_batch_to_run(",
-    "self.running_batch = plan.running_batch",
-    "batch = plan.batch_to_run",
-    "self.cur_batch_for_debug = batch",
+    *_LOOP_HEAD,
     "self.is_disable_overlap_for_batch(",
     "if disable_overlap_for_batch:",
     "pop_and_process()",
@@ -227,21 +224,10 @@ class EventLoopDriver:
     def step(self) -> Iteration:
         """One iteration of event_loop_normal (scheduler.py:2146-2175 at 0.5.23), without
         receiving requests."""
-        from sglang.srt.managers import scheduler as scheduler_module
-
         s = self.scheduler
-        if s.gracefully_exit:
-            raise LoopExited("the scheduler was asked to exit (gracefully_exit)")
-        # self.ingest_requests(): the test queues its requests itself.
-        if s._engine_paused:
-            s._record_scheduler_state_for_paused_engine()
-            it = Iteration("PAUSED", ())
-            self.iterations.append(it)
-            return it
-        plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
-        s.running_batch = plan.running_batch
-        batch = plan.batch_to_run
-        s.cur_batch_for_debug = batch
+        paused, batch = self._next_batch()
+        if paused is not None:
+            return paused
         self.ran_on_idle = False
         if batch:
             result = s.run_batch(batch)
@@ -250,6 +236,30 @@ class EventLoopDriver:
             s._sched_idled = True
             s.on_idle()
             self.ran_on_idle = True
+        return self._end(batch)
+
+    def _next_batch(self) -> tuple[Iteration | None, ScheduleBatch | None]:
+        """The head of both loops' iteration, without receiving requests: (the PAUSED iteration,
+        None) where the engine is paused, else (None, the batch get_next_batch_to_run planned)."""
+        s = self.scheduler
+        if s.gracefully_exit:
+            raise LoopExited("the scheduler was asked to exit (gracefully_exit)")
+        # self.ingest_requests(): the test queues its requests itself.
+        if s._engine_paused:
+            s._record_scheduler_state_for_paused_engine()
+            it = Iteration("PAUSED", ())
+            self.iterations.append(it)
+            return it, None
+        plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
+        s.running_batch = plan.running_batch
+        s.cur_batch_for_debug = plan.batch_to_run
+        return None, plan.batch_to_run
+
+    def _end(self, batch: ScheduleBatch | None) -> Iteration:
+        """The tail of both loops' iteration: `last_batch`, the strict check where it is on."""
+        from sglang.srt.managers import scheduler as scheduler_module
+
+        s = self.scheduler
         s.last_batch = batch
         if scheduler_module.envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY.get():
             s.invariant_checker.self_check_during_busy()
@@ -313,21 +323,10 @@ class OverlapEventLoopDriver(EventLoopDriver):
 
     def step(self) -> Iteration:
         """One iteration of event_loop_overlap, without receiving requests."""
-        from sglang.srt.managers import scheduler as scheduler_module
-
         s = self.scheduler
-        if s.gracefully_exit:
-            raise LoopExited("the scheduler was asked to exit (gracefully_exit)")
-        # self.ingest_requests(): the test queues its requests itself.
-        if s._engine_paused:
-            s._record_scheduler_state_for_paused_engine()
-            it = Iteration("PAUSED", ())
-            self.iterations.append(it)
-            return it
-        plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
-        s.running_batch = plan.running_batch
-        batch = plan.batch_to_run
-        s.cur_batch_for_debug = batch
+        paused, batch = self._next_batch()
+        if paused is not None:
+            return paused
         disable_overlap_for_batch = s.is_disable_overlap_for_batch(batch, last_batch=s.last_batch)
         if disable_overlap_for_batch:
             self._pop_and_process()
@@ -350,12 +349,7 @@ class OverlapEventLoopDriver(EventLoopDriver):
             self.ran_on_idle = True
         if s.is_generation:
             s.launch_batch_sample_if_needed(batch_result, batch)
-        s.last_batch = batch
-        if scheduler_module.envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY.get():
-            s.invariant_checker.self_check_during_busy()
-        it = Iteration.of(batch)
-        self.iterations.append(it)
-        return it
+        return self._end(batch)
 
 
 class StreamContextStandIn:
