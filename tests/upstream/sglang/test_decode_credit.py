@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import scheduler_harness as sh
 import torch
+from event_loop_driver import EventLoopDriver
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from test_decode_agreement import _prefilled_batch
 from test_prefill_unwind import _prompt
@@ -129,8 +130,6 @@ def _idle_after_decoding_on_a_credit(h: sh.Harness, rank: int) -> dict[str, Any]
     Going idle ends the credit and reads the pool once more: kvcached unmaps the pages it kept
     mapped for the credit when that reading is taken, so a server left idle gives them back to its
     co-tenants (without the reading they stay mapped until the next request)."""
-    from event_loop_driver import EventLoopDriver
-
     driver = EventLoopDriver(h)
     assert h.physical is not None
     h.physical.hold_mapped(60)

@@ -11,8 +11,9 @@ waves; and a prompt longer than a prefill chunk. On two forked gloo ranks with e
 (rank-local) KV pools whose readings drift: the same requests, the same batches on both ranks in
 every iteration.
 
-`test_the_credit_counts_the_rows_of_the_batch_the_loop_merged` checks a reported bug of the 0.5.23
-series and is EXPECTED TO FAIL on today's code (see its docstring).
+`test_the_credit_counts_the_rows_of_the_batch_the_loop_merged` checks a reported bug of the
+series: it fails without series entry "Scheduler: the decode credit counts the rows of the batch
+the event loop merged" and passes with it (see its docstring).
 """
 
 from __future__ import annotations
@@ -287,17 +288,17 @@ def credit_ranks() -> TwoRanks:
     return run_two_ranks([name], {name: _credit_after_a_merged_prefill}, {}, {name: NO_OVERLAP})
 
 
-# EXPECTED TO FAIL on today's 0.5.23 series (a reported bug, measured here; deliberately not xfail).
 def test_the_credit_counts_the_rows_of_the_batch_the_loop_merged(credit_ranks: TwoRanks) -> None:
-    """EXPECTED TO FAIL on today's code (0.5.23 series, "Scheduler: decode steps the ranks agreed no
-    rank can miss run without a vote"): `_settle_prefill_round` builds the credit's ballot from
+    """Fails without series entry "Scheduler: the decode credit counts the rows of the batch the
+    event loop merged" (the reported bug of "Scheduler: decode steps the ranks agreed no rank can
+    miss run without a vote"): `_settle_prefill_round` built the credit's ballot from
     `self.running_batch` plus the round's batch, but `get_next_batch_to_run` passed
     `get_new_batch_prefill` a LOCAL running batch that holds the last prefill batch merged in; the
     loop assigns it to `self.running_batch` only after the round. So the round after A's prefill
-    agrees a credit for 1 row where the next decode steps run 2: 10 steps on rank 1's 10 guaranteed
-    tokens, which hold 5, and rank 1's allocation misses alone in a step no rank voted on (its loop
-    raises AllocationMiss; rank 0 runs on). Not marked xfail: it must pass once the ballot counts
-    the round's running batch (`_prefill_round_running_batch`)."""
+    agreed a credit for 1 row where the next decode steps run 2: 10 steps on rank 1's 10 guaranteed
+    tokens, which hold 5, and rank 1's allocation missed alone in a step no rank voted on (its loop
+    raised AllocationMiss; rank 0 ran on). The entry's ballot counts the round's running batch
+    (`_prefill_round_running_batch`)."""
     ranks = credit_ranks.scenario("loop_credit_after_merge")
     measured = {
         rank: {k: r[k] for k in ("agreed", "credited", "decode_rows", "failure")} for rank, r in ranks.items()
