@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
@@ -222,9 +222,11 @@ def test_hook_counts_unwinds_and_records_the_schedulers_own_error(tmp_path: Path
     assert hook.wrap_scheduler(pristine, injector) == ["event_loop_overlap"]  # no unwind to count
 
 
-class Agreement(NamedTuple):
-    reduce: Callable[[list[int]], None]
-    capacity: object
+class Agreement:
+    """The shape of the carried scheduler's RankAgreement the hook relies on: a reduce to wrap."""
+
+    def __init__(self, reduce: Callable[[list[int]], None]) -> None:
+        self.reduce = reduce
 
 
 def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp_path: Path) -> None:
@@ -239,7 +241,7 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
 
         @functools.cached_property
         def _prefill_agreement(self) -> Agreement | None:
-            return Agreement(reduce_slowly, None) if self.rank_local else None
+            return Agreement(reduce_slowly) if self.rank_local else None
 
         def run_event_loop(self) -> None:
             pass
@@ -280,7 +282,7 @@ def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tm
     class Scheduler:
         @functools.cached_property
         def _prefill_agreement(self) -> Agreement:
-            return Agreement(lambda vote: None, None)
+            return Agreement(lambda vote: None)
 
         def get_next_batch_to_run(self, running_batch: Any, last_batch: Any) -> Any:
             votes, decode_vote, extend = running_batch

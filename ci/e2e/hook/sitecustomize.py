@@ -549,12 +549,15 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
             if made is None:
                 return None
 
+            reduce_over_the_group = made.reduce
+
             def reduce(tensor: Any) -> None:
                 started = time.perf_counter()
-                made.reduce(tensor)
+                reduce_over_the_group(tensor)
                 injector.agreement_all_reduce(round(1e6 * (time.perf_counter() - started)))
 
-            return made._replace(reduce=reduce)
+            made.reduce = reduce
+            return made
 
         counted = functools.cached_property(counted_agreement)
         counted.__set_name__(scheduler_class, AGREEMENT_PROPERTY)

@@ -7,7 +7,7 @@ can still map, which a co-tenant changes and which kvcached caches for 100 ms: t
 drift apart. The carried scheduler agrees on that reading at points every rank reaches alike and in
 between counts from `uniform_available_size()`, which only the pool's own calls change. These tests
 install kvcached's patches over the REAL SGLang classes (test_rank_local_capacity.py's fixture,
-faking only kvcached's CUDA boundary) and hand the pools to the REAL scheduler's AgreedCapacity.
+faking only kvcached's CUDA boundary) and hand the pools to the REAL scheduler's ledger.
 
 Expected: FAIL with the miss-reporting entry alone, PASS with this one.
 """
@@ -40,6 +40,19 @@ def _scheduler_reads(allocator: Any, req_to_token_pool: Any) -> list[Any]:
     ]
 
 
+def _the_schedulers_ledger(pools: list[object]) -> None:
+    """Hand the pools to the carried scheduler's ledger (RankAgreement; AgreedCapacity before it),
+    which refuses a pool without a uniform reading."""
+    try:
+        from sglang.srt.mem_cache.rank_agreement import RankAgreement
+    except ImportError:
+        from sglang.srt.mem_cache.allocation import AgreedCapacity
+
+        AgreedCapacity(pools)
+        return
+    RankAgreement(lambda vote: None, pools)
+
+
 @pytest.mark.parametrize("page_size", [1, PAGE])
 def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
     elastic: types.ModuleType, page_size: int
@@ -48,8 +61,6 @@ def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
     its own calls change (`uniform_available_size`: the manager's virtual space), beside its real
     one (the least of that and the GPU memory left to map). A co-tenant lowers the real reading
     only. The carried scheduler's ledger takes every one of them (a pool without it is refused)."""
-    from sglang.srt.mem_cache.allocation import AgreedCapacity
-
     req_to_token_pool = _hybrid_req_to_token_pool()
     kvcache = _mha_pool(elastic.MHATokenToKVPool)
     if page_size == 1:
@@ -70,4 +81,4 @@ def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
         manager.mappable = 1  # a co-tenant maps this GPU's memory away
     for pool in read:
         assert pool.available_size() < pool.uniform_available_size(), type(pool).__name__
-    AgreedCapacity(read)
+    _the_schedulers_ledger(read)

@@ -33,6 +33,7 @@ from test_rank_agreement import (
     MultiRoundScenario,
     TwoRanks,
     _drifting,
+    _reads_the_ledger,
     run_two_ranks,
 )
 
@@ -95,8 +96,10 @@ def _decode_step(h: sh.Harness, batch: ScheduleBatch) -> dict[str, Any]:
         "kv_lens": [r.kv.kv_allocated_len for r in batch.reqs],
         "penalty_steps": penalty_steps,
         "misses": getattr(sched, "num_decode_allocation_misses", 0),
-        # After a miss the next prefill round agrees on the real readings afresh.
-        "agreement_current": sched._prefill_agreement.capacity.current,
+        # After a miss the ledger holds what the co-tenant took: before RankAgreement the next
+        # prefill round agrees on the real readings afresh; from it on the miss's vote agreed it.
+        "agreement_current": _reads_the_ledger(sched),
+        "agreed_by_every_vote": hasattr(sched._prefill_agreement, "reads_ledger"),
     }
 
 
@@ -154,7 +157,7 @@ def test_a_decode_miss_on_one_rank_retracts_alike(two_ranks: TwoRanks) -> None:
     r = ranks[0]
     assert len(r["retracted"]) == 1 and r["queue"] == r["retracted"]
     assert r["step_slots"] == len(r["kept"]) == 4  # the step runs, one slot per kept request
-    assert r["misses"] == 1 and not r["agreement_current"]
+    assert r["misses"] == 1 and r["agreement_current"] == r["agreed_by_every_vote"]
     assert r["penalty_steps"] == [4]  # the step's tokens counted once, not once per try
 
 

@@ -51,7 +51,7 @@ from unittest import mock
 import pytest
 import scheduler_harness as sh
 from test_prefill_unwind import PREFIX
-from test_rank_agreement import RANK_SCENARIOS, MultiRoundScenario, run_two_ranks
+from test_rank_agreement import RANK_SCENARIOS, MultiRoundScenario, _reads_the_ledger, run_two_ranks
 
 NAME = "tp_diverged_round_loads_on_one_rank"
 # Mamba, an elastic KV pool, HiCache; a load stays pending until the device completes it.
@@ -153,9 +153,8 @@ def _diverged_round_loads_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any
     for _ in range(3):
         h.prepare_next_round()
         out["drained"].append(_load_state(h, names))
-    capacity = sched._prefill_agreement.capacity
     _idle_work(h)
-    out["agreement_current_after_idle"] = capacity.current
+    out["agreement_current_after_idle"] = _reads_the_ledger(sched)
     out["final_leaks"] = h.idle_leak_report()
     return out
 
@@ -172,6 +171,14 @@ def ranks() -> Ranks:
     def build_with_hicache(cfg: sh.HarnessConfig | None = None, **overrides: Any) -> sh.Harness:
         return real(cfg, **{**overrides, **HICACHE})
 
+    with sh.build_harness(**HICACHE) as h:
+        if hasattr(h.tree_cache, "_load_alike_on_every_rank"):
+            pytest.skip(
+                "from series entry 'HiCache: the ranks agree on each load-back's allocation from a"
+                " rank-local pool' on, no load starts on one rank only: every load-back is agreed"
+                " (test_load_back_agreement.py), and ranks whose host trees differ, as here, part"
+                " at that agreement"
+            )
     with mock.patch.object(sh, "build_harness", build_with_hicache):
         return run_two_ranks([NAME], SCENARIOS, {}).scenario(NAME)
 

@@ -208,23 +208,33 @@ GUARANTEED = 10  # rank 1's tokens no co-tenant can take, after the second prefi
 CREDIT_RUN = 12  # iterations: 2 prefills, then the 10 decode steps of both requests
 
 
-def _credit_after_a_merged_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
-    """A runs its prefill alone (the running batch is empty). B arrives; the next iteration's
-    `get_next_batch_to_run` makes A's prefill batch its LOCAL running batch (self.running_batch
-    is still the empty batch: the loop assigns it after the plan returns) and admits B. That
-    round's vote agrees the decode credit. Rank 1 then holds GUARANTEED tokens mapped after B's
-    allocation (rank 0: more) and a co-tenant maps away everything else on rank 1, drifting at
-    every reading. The decode steps of A and B take 2 tokens each: GUARANTEED covers 5 of them.
+def _record_rank_agreement(
+    driver: Any, agreement: Any, agreed: list[dict[str, int]], credited: list[int]
+) -> None:
+    """RankAgreement: each vote's least guaranteed reading; each step its credit covered (counted
+    against the rows of the step's own batch: no row bound, no batch read at the vote)."""
+    real_vote, real_covers = agreement.vote, agreement.covers_decode_step
 
-    Recorded: each credit agreement (rows, least reading, steps), each iteration's fingerprint
-    and whether it ran on the credit, and an exception a rank's loop raised."""
-    sched = h.scheduler
-    driver = EventLoopDriver(h)
-    agreement = sched._prefill_agreement
+    def vote(ballot: Any) -> Any:
+        verdict = real_vote(ballot)
+        agreed.append({"iteration": len(driver.iterations) + 1, "least": verdict.least_guaranteed})
+        return verdict
+
+    def covers_decode_step(rows: int) -> bool:
+        covered = bool(real_covers(rows))
+        if covered:
+            credited.append(len(driver.iterations) + 1)
+        return covered
+
+    agreement.vote, agreement.covers_decode_step = vote, covers_decode_step
+
+
+def _record_decode_credit(
+    driver: Any, agreement: Any, agreed: list[dict[str, int]], credited: list[int]
+) -> None:
+    """The series' first credit (DecodeCredit): each agreement's rows, least reading and steps."""
     assert agreement is not None and agreement.decode_credit is not None, "no decode credit"
     credit = agreement.decode_credit
-    agreed: list[dict[str, int]] = []
-    credited: list[int] = []
     real_agree, real_take_step = credit.agree, credit.take_step
 
     def agree(reduced: Any) -> None:
@@ -246,6 +256,27 @@ def _credit_after_a_merged_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
         return taken
 
     credit.agree, credit.take_step = agree, take_step
+
+
+def _credit_after_a_merged_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """A runs its prefill alone (the running batch is empty). B arrives; the next iteration's
+    `get_next_batch_to_run` makes A's prefill batch its LOCAL running batch (self.running_batch
+    is still the empty batch: the loop assigns it after the plan returns) and admits B. That
+    round's vote agrees the decode credit. Rank 1 then holds GUARANTEED tokens mapped after B's
+    allocation (rank 0: more) and a co-tenant maps away everything else on rank 1, drifting at
+    every reading. The decode steps of A and B take 2 tokens each: GUARANTEED covers 5 of them.
+
+    Recorded: each credit agreement (rows, least reading, steps), each iteration's fingerprint
+    and whether it ran on the credit, and an exception a rank's loop raised."""
+    sched = h.scheduler
+    driver = EventLoopDriver(h)
+    agreement = sched._prefill_agreement
+    agreed: list[dict[str, int]] = []
+    credited: list[int] = []
+    if hasattr(agreement, "covers_decode_step"):
+        _record_rank_agreement(driver, agreement, agreed, credited)
+    else:
+        _record_decode_credit(driver, agreement, agreed, credited)
     assert h.physical is not None
     reqs = [_queue(h, 0, 5, CREDIT_MAX_NEW)]
     failure: dict[str, Any] | None = None
@@ -307,7 +338,8 @@ def test_the_credit_counts_the_rows_of_the_batch_the_loop_merged(credit_ranks: T
         # The agreement the second prefill round made, and the rows of the steps it covers.
         after_merge = [a for a in result["agreed"] if a["iteration"] == 2]
         assert after_merge, (rank, measured)
-        assert after_merge[0]["rows"] >= 2, (
+        assert result["credited"], (rank, measured)  # the credit ran steps without a vote
+        assert "rows" not in after_merge[0] or after_merge[0]["rows"] >= 2, (
             f"rank {rank}: the credit agreed for {after_merge[0]['rows']} row(s) and "
             f"{after_merge[0]['steps']} steps on {after_merge[0]['least']} guaranteed tokens; the loop's "
             f"next decode steps ran {result['decode_rows'][:1]} rows. Measured: {measured}"

@@ -37,6 +37,46 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.session.session_controller import Session
 from test_prefill_unwind import CHUNK, MAMBA, PING_PONG, PREFIX, _charged, _prompt, _start_chunked
 
+
+def _reads_the_ledger(sched: Any) -> bool:
+    """Whether the scheduler's pools read the agreed ledger now. The series' first agreement
+    (AgreedCapacity) keeps it while `current`; from RankAgreement on (one object, agreed on the
+    deficit) it holds from the first agreement on, except while the rank is idle."""
+    agreement = sched._prefill_agreement
+    capacity = getattr(agreement, "capacity", None)
+    if capacity is not None:
+        return bool(capacity.current)
+    return bool(agreement.reads_ledger)
+
+
+def _after_the_agreement_before_admission(
+    sched: Any, stack: contextlib.ExitStack, then: Callable[[], None]
+) -> bool:
+    """Run `then` each time the ranks have agreed before a round's admission; False where the
+    series agrees on nothing before admission. (From RankAgreement on, they agree before
+    admission in the first round that has something to admit only.)"""
+    agree = getattr(sched, "_agree_on_free_space", None)
+    if agree is not None:
+
+        def agree_then(agreement: Any) -> None:
+            agree(agreement)
+            then()
+
+        stack.enter_context(mock.patch.object(sched, "_agree_on_free_space", agree_then))
+        return True
+    agreement = getattr(sched, "_prefill_agreement", None)
+    if agreement is None or not hasattr(agreement, "agree"):
+        return False
+    agree_once = agreement.agree
+
+    def agree_once_then() -> None:
+        agree_once()
+        then()
+
+    stack.enter_context(mock.patch.object(agreement, "agree", agree_once_then))
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # Two ranks over gloo, with the parallel groups as distinct objects
 # --------------------------------------------------------------------------------------------
@@ -473,16 +513,10 @@ def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
     sched = h.scheduler
     reqs = [h.add_request(_prompt(i)) for i in range(3)]
     with contextlib.ExitStack() as stack:
-        agree = getattr(sched, "_agree_on_free_space", None)
-        if rank == 0 and agree is None:  # a series that agrees on nothing before admission
+        if rank == 0 and not _after_the_agreement_before_admission(
+            sched, stack, lambda: stack.enter_context(_cotenant(h, 2))
+        ):  # a series that agrees on nothing before admission
             stack.enter_context(_cotenant(h, 2))
-        elif rank == 0 and agree is not None:
-
-            def agree_then_lose_memory(agreement: Any) -> None:
-                agree(agreement)
-                stack.enter_context(_cotenant(h, 2))
-
-            stack.enter_context(mock.patch.object(sched, "_agree_on_free_space", agree_then_lose_memory))
         raced = h.run_round()
         after_race = {
             "batch": None if raced is None else [r.rid for r in raced.reqs],
@@ -573,17 +607,15 @@ def _cotenant_within_a_round(h: sh.Harness, rank: int) -> dict[str, Any]:
     sched = h.scheduler
     h.add_request(_prompt(9))
     with contextlib.ExitStack() as stack:
-        agree = getattr(sched, "_agree_on_free_space", None)
-        if rank == 0 and agree is not None:
+        if rank == 0:
             taken: list[bool] = []
 
-            def agree_then_lose_memory(agreement: Any) -> None:
-                agree(agreement)
+            def lose_memory_once() -> None:
                 if not taken:
                     taken.append(True)
                     stack.enter_context(_cotenant(h, 60))
 
-            stack.enter_context(mock.patch.object(sched, "_agree_on_free_space", agree_then_lose_memory))
+            _after_the_agreement_before_admission(sched, stack, lose_memory_once)
         rounds: list[Any] = []
         for prompts in ((), range(4)):
             for i in prompts:
@@ -932,11 +964,19 @@ def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
         free_space = votes[:-1]
         # One reading per pool that reports free space (a KV cache, a Mamba state pool: none).
         readings = int(callable(getattr(declaring, "available_size", None)))
-        assert len(free_space) == readings
-        assert all(free < 0 for free in (free_space or [[-1]])[0])  # MIN as MAX of negatives
+        by_deficit = hasattr(h.scheduler._prefill_agreement, "reads_ledger")
+        if by_deficit:
+            # RankAgreement: one ballot, its deficits (uniform minus real: 0 for sglang's own
+            # pools) in every vote, also before the first admission.
+            assert [len(vote) for vote in free_space] in ([], [4 + readings])
+            assert all(vote[4:] == [0] * readings for vote in free_space)
+        else:
+            assert len(free_space) == readings
+            assert all(free < 0 for free in (free_space or [[-1]])[0])  # MIN as MAX of negatives
         missed, fingerprint, neg_fingerprint, batch_size, *carried = votes[-1]
         assert (missed, batch_size) == (0, 1) and fingerprint == -neg_fingerprint != 0
-        assert len(carried) == readings and all(free < 0 for free in carried)
+        assert len(carried) == readings
+        assert all(deficit == 0 if by_deficit else deficit < 0 for deficit in carried)
         assert len(votes) == per_admitting_round  # the empty round made no collective
 
 
@@ -974,7 +1014,12 @@ def test_an_admitting_round_makes_one_collective_once_agreed() -> None:
         # The missed round makes a second collective, after the vote: how long its requests have
         # been missing, the most any rank measured (the wall-clock deadline, alike on every rank).
         missed_round = 2 if hasattr(h.scheduler, "_prefill_unwind_clock") else 1
-        assert collectives == [2, 1, missed_round, 2, 1, 2]
+        if hasattr(h.scheduler._prefill_agreement, "reads_ledger"):
+            # RankAgreement: the vote agrees the deficit whatever the outcome, and going idle
+            # keeps it: after the first round, one collective per admitting round, always.
+            assert collectives == [2, 1, missed_round, 1, 1, 1]
+        else:
+            assert collectives == [2, 1, missed_round, 2, 1, 2]
 
 
 # What the event loop gives on_idle that the harness does not build: reporting and housekeeping
@@ -1001,13 +1046,12 @@ def test_the_real_idle_path_reads_the_pools_as_they_are_before_the_leak_check() 
     admitting round then agrees afresh). An on_idle that is not fully idle keeps the agreement."""
     with sh.build_harness(elastic=True) as h:
         sched = h.scheduler
-        capacity = sched._prefill_agreement.capacity
         allocator = h.token_to_kv_pool_allocator
         physical = h.physical
         assert physical is not None
         h.add_request(_prompt(0))
         batch = h.run_round()
-        assert batch is not None and capacity.current
+        assert batch is not None and _reads_the_ledger(sched)
         for req in batch.reqs:
             h.finish_request(req)
         h.prepare_next_round()
@@ -1015,7 +1059,9 @@ def test_the_real_idle_path_reads_the_pools_as_they_are_before_the_leak_check() 
         seen_by_leak_check: list[tuple[bool, int, int]] = []
 
         def check_all_pools(*args: Any) -> tuple[bool, list[str]]:
-            seen_by_leak_check.append((capacity.current, allocator.available_size(), physical.available()))
+            seen_by_leak_check.append(
+                (_reads_the_ledger(sched), allocator.available_size(), physical.available())
+            )
             return False, []
 
         with contextlib.ExitStack() as stack:
@@ -1034,7 +1080,7 @@ def test_the_real_idle_path_reads_the_pools_as_they_are_before_the_leak_check() 
             stack.enter_context(mock.patch("time.sleep"))
             queued = h.add_request(_prompt(1))
             sched.on_idle()  # a request waits: not idle
-            assert capacity.current and seen_by_leak_check == []
+            assert _reads_the_ledger(sched) and seen_by_leak_check == []
             sched.waiting_queue.remove(queued)
             sched.on_idle()
         [(current, reading, real)] = seen_by_leak_check
@@ -1048,14 +1094,16 @@ def test_a_put_back_round_whose_next_round_only_continues_a_chunk_agrees_afresh(
     co-tenant holds the memory."""
     with sh.build_harness(elastic=True, chunked_prefill_size=CHUNK) as h:
         sched = h.scheduler
-        capacity = sched._prefill_agreement.capacity
         long = _start_chunked(h, 200)
-        assert h.physical is not None and capacity.current
+        assert h.physical is not None and _reads_the_ledger(sched)
         h.physical.take(h.physical.uniform() - 40)  # a co-tenant leaves 40 tokens: a chunk misses
-        assert h.run_round() is None and not capacity.current  # put back
+        assert h.run_round() is None  # put back
+        # Before RankAgreement the put-back round leaves no agreement, and the next agrees afresh;
+        # from it on the put-back round's vote agreed the deficit the co-tenant made.
+        assert _reads_the_ledger(sched) == hasattr(sched._prefill_agreement, "reads_ledger")
         assert sched.waiting_queue == [] and sched.chunked_req is long
         batch = h.run_round()
-        assert batch is not None and batch.reqs == [long] and capacity.current
+        assert batch is not None and batch.reqs == [long] and _reads_the_ledger(sched)
         assert CHUNK < sh.extend_end(long) <= CHUNK + 40
 
 
@@ -1071,7 +1119,7 @@ def test_the_ranks_agree_before_the_prefill_delayer_reads_the_pools() -> None:
         agreed_when_read: list[bool] = []
 
         def get_pool_stats() -> Any:
-            agreed_when_read.append(sched._prefill_agreement.capacity.current)
+            agreed_when_read.append(_reads_the_ledger(sched))
             raise _DelayerReadThePools
 
         h.add_request(_prompt(0))
@@ -1180,6 +1228,39 @@ def test_a_pool_read_through_another_is_agreed_once() -> None:
     """Ranks whose Mamba memory differs (100 vs 150 mappable slots) agree on the least; the slot
     allocator, which reads the pool's reading, must read the agreed 100 on both ranks, not the
     agreement applied twice (100 vs 50), and after both allocate alike, the same again."""
+    try:
+        from sglang.srt.mem_cache.rank_agreement import RankAgreement
+    except ImportError:  # the series' first agreement (AgreedCapacity)
+        _agree_through_another_with_agreed_capacity()
+        return
+    pools = [_ElasticMambaPool(200, mappable) for mappable in (100, 150)]
+    parts = [(pool, _ElasticMambaSlots(pool)) for pool in pools]
+    agreements = [RankAgreement(lambda vote: None, list(pair)) for pair in parts]
+
+    def vote_together() -> None:
+        ballots = [agreement.ballot(missed=False, fingerprint=0, batch_size=0) for agreement in agreements]
+        for rank, agreement in enumerate(agreements):
+            peer = ballots[1 - rank].encode()
+            agreement.reduce = lambda vote, peer=peer: vote.copy_(torch.maximum(vote, peer))
+            agreement.vote(ballots[rank])
+
+    def readings() -> list[list[int]]:
+        return [[pool.available_size(), slots.available_size()] for pool, slots in parts]
+
+    vote_together()
+    assert readings() == [[100, 100]] * 2
+    for pool in pools:
+        pool.slots -= 30  # both ranks allocate alike
+    pools[1].mappable = 0  # and then a co-tenant takes rank 1's memory: that shows as a miss
+    assert readings() == [[70, 70]] * 2
+    # The co-tenant leaves and the ranks vote again: the slot allocator's deficit is measured from
+    # its pool's real reading (100 on rank 0), never the pool's ledger (70).
+    pools[1].mappable = 150
+    vote_together()
+    assert readings() == [[100, 100]] * 2
+
+
+def _agree_through_another_with_agreed_capacity() -> None:
     from sglang.srt.managers.scheduler import PrefillAgreement, Scheduler
     from sglang.srt.mem_cache.allocation import AgreedCapacity
 

@@ -21,25 +21,10 @@ from test_rank_agreement import TwoRanks, run_two_ranks
 
 DEFAULT_SEEDS = "0-199"
 # Seeds that fail on today's series: what their failure must contain, and what they found. Each
-# still fails as recorded or the test fails (a fix takes the seed off this list).
-ONE_RANK_LOAD = (
-    "leaked once idle",
-    "HiCache on, copies landing and co-tenant misses differing per rank: one rank ends with a"
-    " load-back in ongoing_load_back (its ack queued) that the other never started, so the"
-    " lockstep reaping (the MIN of the ranks' ready acks) never reaps it and its tree nodes stay"
-    " locked once idle",
-)
-TREES_PART = (
-    "PrefillRankDivergence",
-    "the ranks' trees part (what is on device differs after a round the ranks admitted"
-    " differently), admission differs three rounds in a row, and the scheduler stops by name",
-)
-# Seeds 12, 55, 159 and 172 run event_loop_overlap (55 and 159 failed as ONE_RANK_LOAD on
-# event_loop_normal; 67, 120, 122 and 168 passed once they ran the overlap loop).
-KNOWN_FAILURES: dict[int, tuple[str, str]] = {
-    **dict.fromkeys((31, 37), ONE_RANK_LOAD),
-    **dict.fromkeys((12, 47, 55, 159, 172), TREES_PART),
-}
+# still fails as recorded or the test fails (a fix takes the seed off this list). Empty since the
+# load-back agreement: the seven seeds recorded before (trees parting, a load-back left in one
+# rank's lockstep ack queue) all came from a load-back whose allocation missed on one rank only.
+KNOWN_FAILURES: dict[int, tuple[str, str]] = {}
 # A rank's whole run of its seeds, at most (the forked ranks are killed past it).
 RUN_TIMEOUT_S = 1500.0
 

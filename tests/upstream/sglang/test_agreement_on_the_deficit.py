@@ -1,0 +1,181 @@
+"""The ranks agree through one RankAgreement, on the deficit (series entry "Scheduler: the ranks
+agree through one RankAgreement, on each pool's deficit, and count the decode credit in tokens",
+sgl-project/sglang#34676).
+
+Before the entry the ledger was agreed on the least real reading and held only while every rank
+had allocated alike: a round put back, a decode miss or the scheduler going idle on one rank made
+the next round agree afresh before admission, an all-reduce that a rank idle on its own (its
+HiCache state is rank-local) made alone, so the ranks' collectives parted. The entry agrees on
+each pool's deficit (uniform minus real reading), which a rank's own allocations do not move, at
+every vote whatever its outcome: after the first round no agreement before admission is needed,
+and going idle changes no agreed value. Two forked gloo ranks with distinct group objects where
+two ranks take part; readings drift at every reading on each rank.
+
+Expected: these tests FAIL without the entry (no rank_agreement module; the rounds after a
+put-back and after going idle make a second collective; a rank idle alone makes it alone) and
+PASS with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import scheduler_harness as sh
+import torch
+from test_prefill_unwind import _prompt
+from test_rank_agreement import TwoRanks, run_two_ranks
+
+
+def _ballot(**fields: Any) -> Any:
+    from sglang.srt.mem_cache.rank_agreement import Ballot
+
+    defaults: dict[str, Any] = {
+        "missed": False,
+        "fingerprint": 0,
+        "batch_size": 0,
+        "deficits": (0,),
+        "guaranteed": 100,
+    }
+    return Ballot(**{**defaults, **fields})
+
+
+def _verdict_of(*ballots: Any) -> Any:
+    """What the all-reduce (MAX) of these ballots decodes to."""
+    from sglang.srt.mem_cache.rank_agreement import Verdict
+
+    reduced = ballots[0].encode()
+    for ballot in ballots[1:]:
+        reduced = torch.maximum(reduced, ballot.encode())
+    first = ballots[0]
+    return Verdict.decode(reduced, pools=len(first.deficits), credit=first.guaranteed is not None)
+
+
+def test_the_ballot_reduces_to_the_groups_verdict() -> None:
+    """Each field of the typed ballot reduces to what the group agrees: any miss, whether the
+    fingerprints agree (and whether any rank had a batch), the largest batch, the largest deficit
+    of each pool, the least guaranteed reading."""
+    from sglang.srt.mem_cache.rank_agreement import PrefillRound
+
+    alike = _verdict_of(
+        _ballot(fingerprint=7 | 1 << 32, batch_size=3, deficits=(5, 0), guaranteed=40),
+        _ballot(fingerprint=7 | 1 << 32, batch_size=3, deficits=(2, 9), guaranteed=25, missed=True),
+    )
+    assert alike.any_missed and alike.unanimous and alike.any_batch
+    assert (alike.largest_batch, alike.deficits, alike.least_guaranteed) == (3, (5, 9), 25)
+    assert alike.prefill_round() is PrefillRound.MISSED
+    apart = _verdict_of(_ballot(fingerprint=7 | 1 << 32, batch_size=4), _ballot(batch_size=0))
+    assert not apart.unanimous and apart.largest_batch == 4
+    assert apart.prefill_round() is PrefillRound.DIVERGED
+    idle = _verdict_of(_ballot(), _ballot())
+    assert idle.prefill_round() is PrefillRound.IDLE and idle.any_batch is False
+    no_credit = _verdict_of(_ballot(guaranteed=None, deficits=()))
+    assert no_credit.least_guaranteed is None and no_credit.deficits == ()
+
+
+def test_the_credit_counts_each_steps_own_rows_against_the_least_reading() -> None:
+    """The credit agreed at a vote covers steps while their rows, a page each, fit the least
+    guaranteed reading, at most DECODE_CREDIT_MAX_STEPS; idle on one rank ends it there."""
+    from sglang.srt.mem_cache.rank_agreement import DECODE_CREDIT_MAX_STEPS, RankAgreement
+
+    agreement = RankAgreement(lambda vote: None, [], guaranteed=lambda: 10, page_size=2)
+    assert not agreement.covers_decode_step(1)  # no vote yet: no credit
+    agreement.vote(agreement.ballot(missed=False, fingerprint=0, batch_size=0))
+    # Two rows take 4 tokens, three 6: the 10 agreed cover both steps, and no step after them.
+    assert [agreement.covers_decode_step(rows) for rows in (2, 3, 1)] == [True, True, False]
+    agreement.vote(agreement.ballot(missed=False, fingerprint=0, batch_size=0))
+    assert agreement.covers_decode_step(5) and not agreement.covers_decode_step(1)
+    big = RankAgreement(lambda vote: None, [], guaranteed=lambda: 10**9)
+    big.vote(big.ballot(missed=False, fingerprint=0, batch_size=0))
+    assert (
+        sum(big.covers_decode_step(1) for _ in range(DECODE_CREDIT_MAX_STEPS + 5)) == DECODE_CREDIT_MAX_STEPS
+    )
+    agreement.read_real_while_idle()
+    assert not agreement.covers_decode_step(1)
+
+
+def _count_collectives(h: sh.Harness) -> list[int]:
+    """The sizes of the all-reduces this rank makes over its groups, in order."""
+    made: list[int] = []
+    real = h.tree_cache._all_reduce_attn_groups
+
+    def all_reduce_attn_groups(tensor: torch.Tensor, op: Any) -> None:
+        made.append(tensor.numel())
+        real(tensor, op)
+
+    h.tree_cache._all_reduce_attn_groups = all_reduce_attn_groups
+    return made
+
+
+def _admitting_round(h: sh.Harness, prompt: int, miss: sh.MissSite | None = None) -> list[str] | None:
+    h.add_request(_prompt(prompt))
+    with h.arm_miss(miss) if miss else contextlib.nullcontext():
+        batch = h.run_round()
+    rids = None if batch is None else [r.rid for r in batch.reqs]
+    for req in [] if batch is None else batch.reqs:
+        h.finish_request(req)
+    h.prepare_next_round()
+    return rids
+
+
+def _idle_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """A round runs on both ranks; then rank 0 alone is idle (what on_idle does where this rank's
+    own is_fully_idle() holds: its HiCache write-through state is rank-local), rank 1 is not. A
+    request arrives and a round admits it on both. Before the entry rank 0 agreed afresh before
+    admission, an all-reduce rank 1 never made: the ranks' collectives parted."""
+    sizes = _count_collectives(h)
+    rounds = [_admitting_round(h, 0)]
+    if rank == 0:
+        h.scheduler._release_agreed_free_space()
+    rounds.append(_admitting_round(h, 1))
+    return {"rounds": rounds, "collectives": sizes}
+
+
+def _put_back_then_idle(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """Rounds on both ranks: one that runs, one put back where rank 0's allocation missed, one
+    that runs, then both idle, then one more. Each round after the first makes one collective:
+    its vote (the put-back round also agrees on how long its requests have been missing)."""
+    sizes = _count_collectives(h)
+    per_round: list[int] = []
+    rounds = []
+    rank_0_misses: sh.MissSite | None = "token_slots" if rank == 0 else None
+    for prompt, miss in ((0, None), (1, rank_0_misses), (2, None), (3, None)):
+        before = len(sizes)
+        if prompt == 3:
+            h.scheduler._release_agreed_free_space()
+        rounds.append(_admitting_round(h, prompt, miss))
+        per_round.append(len(sizes) - before)
+    return {"rounds": rounds, "per_round": per_round}
+
+
+SCENARIOS = {"tp_idle_on_one_rank": _idle_on_one_rank, "tp_put_back_then_idle": _put_back_then_idle}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    return run_two_ranks(list(SCENARIOS), SCENARIOS, {}, {})
+
+
+def test_a_rank_idle_alone_makes_no_collective_its_peer_does_not(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_idle_on_one_rank")
+    assert ranks[0]["collectives"] == ranks[1]["collectives"]
+    assert ranks[0]["rounds"] == ranks[1]["rounds"] and None not in ranks[0]["rounds"]
+
+
+def test_after_the_first_round_each_round_makes_one_vote_put_back_or_idle(two_ranks: TwoRanks) -> None:
+    ranks = two_ranks.scenario("tp_put_back_then_idle")
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["rounds"][1] is None  # put back on both ranks
+    # The first round agrees before admission, then votes; the put-back round votes and agrees
+    # on how long its requests have been missing; every other round votes once.
+    assert ranks[0]["per_round"] == [2, 2, 1, 1]
+
+
+def test_the_agreement_is_one_object_of_its_own_module() -> None:
+    """The scheduler's agreement is a RankAgreement (mem_cache/rank_agreement.py): the reduce,
+    the ledger and the credit in one object."""
+    from sglang.srt.mem_cache.rank_agreement import RankAgreement
+
+    with sh.build_harness(elastic=True) as h:
+        assert isinstance(h.scheduler._prefill_agreement, RankAgreement)

@@ -1,0 +1,87 @@
+"""A prefill round that admits nothing beside running requests makes no collective (series entry
+"Scheduler: a prefill round that admits nothing makes no collective", sgl-project/sglang#34676).
+
+Before the entry every loop iteration with a request waiting made the prefill vote, also where no
+rank admitted anything (the IDLE vote): a server at its running-request limit, its queue never
+empty, paid one CPU collective per decode step on top of the decode vote the credit skips. The
+ranks read the same ledger and the same trees (load-backs are agreed), so a round that admits
+nothing does so on every rank, and the entry drops that vote. Where nothing runs either, a round
+that admits nothing agrees afresh (every rank alike): no decode vote would refresh a ledger that a
+co-tenant's returned memory made stale, and the queue would wait for ever.
+
+Two forked gloo ranks with distinct group objects run the real event loop (both loops), readings
+drifting at every reading. Three requests arrive; the pool has two request rows, so the third
+waits while the first two decode on a credit (both ranks hold ample memory mapped).
+
+Expected: FAILS without the entry (a vote with no batch in every iteration the third request
+waits) and PASSES with it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import scheduler_harness as sh
+from event_loop_driver import EventLoopDriver
+from test_event_loop_driver import LOOPS, _queue
+from test_rank_agreement import TwoRanks, run_two_ranks
+
+
+def _third_request_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
+    driver: EventLoopDriver = LOOPS[loop][0](h)
+    assert h.physical is not None
+    h.physical.hold_mapped(400)
+    agreement = h.scheduler._prefill_agreement
+    votes: list[dict[str, Any]] = []
+    real_vote = agreement.vote
+
+    def vote(ballot: Any) -> Any:
+        running = h.scheduler.running_batch
+        votes.append(
+            {
+                "iteration": len(driver.iterations) + 1,
+                "with_a_batch": ballot.fingerprint != 0,
+                "beside_running": running is not None and not running.is_empty(),
+            }
+        )
+        return real_vote(ballot)
+
+    agreement.vote = vote
+    reqs = [_queue(h, i, 6 + i, max_new_tokens=12) for i in range(3)]
+    driver.run_until(lambda: all(req.finished() for req in reqs), max_iterations=60)
+    waited = [
+        i + 1 for i, it in enumerate(driver.iterations) if it.forward_mode == "DECODE" and "r2" not in it.rids
+    ]
+    return {
+        "iterations": [(it.forward_mode, it.rids) for it in driver.iterations],
+        "votes": votes,
+        "decode_steps_r2_waited": waited,
+        "finished": [req.finished() for req in reqs],
+    }
+
+
+SCENARIOS = {f"third_waits_{loop}": functools.partial(_third_request_waits, loop=loop) for loop in LOOPS}
+CONFIGS = {f"third_waits_{loop}": {**LOOPS[loop][1], "req_rows": 2} for loop in LOOPS}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> TwoRanks:
+    return run_two_ranks(list(SCENARIOS), SCENARIOS, {}, CONFIGS)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_round_that_admits_nothing_beside_running_requests_makes_no_vote(
+    two_ranks: TwoRanks, loop: str
+) -> None:
+    ranks = two_ranks.scenario(f"third_waits_{loop}")
+    assert ranks[0] == ranks[1]
+    r = ranks[0]
+    assert all(r["finished"]), r
+    assert len(r["decode_steps_r2_waited"]) >= 5, r  # the third request waited while two decoded
+    empty_votes_beside_running = [v for v in r["votes"] if not v["with_a_batch"] and v["beside_running"]]
+    assert empty_votes_beside_running == [], r
+    waited = set(r["decode_steps_r2_waited"])
+    # In the steps the third request waited, the credit covered the decode votes too: no vote.
+    assert [v for v in r["votes"] if v["iteration"] in waited] == [], r
