@@ -19,11 +19,17 @@ PASS with it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from typing import Any
+from unittest import mock
 
 import pytest
 import scheduler_harness as sh
+import simulation as sim
 import torch
+from event_loop_driver import EventLoopDriver
+from test_event_loop_driver import LOOPS, _queue
 from test_prefill_unwind import _prompt
 from test_rank_agreement import TwoRanks, run_two_ranks
 
@@ -149,18 +155,64 @@ def _put_back_then_idle(h: sh.Harness, rank: int) -> dict[str, Any]:
     return {"rounds": rounds, "per_round": per_round}
 
 
-SCENARIOS = {"tp_idle_on_one_rank": _idle_on_one_rank, "tp_put_back_then_idle": _put_back_then_idle}
+def _loop_idle_on_one_rank(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
+    """The same through the real event loop: a request runs to its end; then for three
+    iterations rank 1 is not fully idle (its `is_fully_idle()` reads HiCache state of its own,
+    which upstream says can differ between ranks), so only rank 0's `on_idle` does the idle work;
+    then a second request runs. Every collective either rank makes is recorded."""
+    driver: EventLoopDriver = LOOPS[loop][0](h)
+    made: list[Any] = []
+    failure = None
+    try:
+        # Co-tenants hold memory (the drift) throughout: upstream's strict idle check would read
+        # that as a leak (kvcached's integration turns it off), so it is off here.
+        strict_check_off = mock.patch.dict(os.environ, {sim.STRICT_IDLE_CHECK: "0"})
+        with sim.recording_collectives(made), strict_check_off:
+            first = _queue(h, 0, 6, max_new_tokens=3)
+            driver.run_until(first.finished, max_iterations=20)
+            busy = mock.patch.object(h.scheduler, "is_fully_idle", lambda: False)
+            with busy if rank == 1 else contextlib.nullcontext():
+                driver.run(3)
+            second = _queue(h, 1, 6, max_new_tokens=3)
+            driver.run_until(second.finished, max_iterations=20)
+            driver.run_until_idle(max_iterations=10)
+    except Exception as error:  # a rank's loop raised (gloo's size mismatch, say)
+        failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return {
+        "iterations": [(it.forward_mode, it.rids) for it in driver.iterations],
+        "collectives": made,
+        "failure": failure,
+    }
+
+
+SCENARIOS: dict[str, Any] = {
+    "tp_idle_on_one_rank": _idle_on_one_rank,
+    "tp_put_back_then_idle": _put_back_then_idle,
+    **{
+        f"loop_idle_on_one_rank_{loop}": functools.partial(_loop_idle_on_one_rank, loop=loop)
+        for loop in LOOPS
+    },
+}
+CONFIGS = {f"loop_idle_on_one_rank_{loop}": LOOPS[loop][1] for loop in LOOPS}
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> TwoRanks:
-    return run_two_ranks(list(SCENARIOS), SCENARIOS, {}, {})
+    return run_two_ranks(list(SCENARIOS), SCENARIOS, {}, CONFIGS)
 
 
 def test_a_rank_idle_alone_makes_no_collective_its_peer_does_not(two_ranks: TwoRanks) -> None:
     ranks = two_ranks.scenario("tp_idle_on_one_rank")
     assert ranks[0]["collectives"] == ranks[1]["collectives"]
     assert ranks[0]["rounds"] == ranks[1]["rounds"] and None not in ranks[0]["rounds"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_rank_idle_alone_in_the_real_loop_stays_in_step(two_ranks: TwoRanks, loop: str) -> None:
+    ranks = two_ranks.scenario(f"loop_idle_on_one_rank_{loop}")
+    assert ranks[0]["failure"] is None and ranks[1]["failure"] is None, ranks
+    assert ranks[0]["collectives"] == ranks[1]["collectives"]
+    assert ranks[0]["iterations"] == ranks[1]["iterations"]
 
 
 def test_after_the_first_round_each_round_makes_one_vote_put_back_or_idle(two_ranks: TwoRanks) -> None:
