@@ -270,7 +270,8 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
 
 def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tmp_path: Path) -> None:
     """Each call of get_next_batch_to_run is one loop iteration; the agreement's all-reduces made
-    inside one that ran no prefill batch are counted, a decode step's vote aside."""
+    inside one that ran no prefill batch beside running requests are counted, a decode step's
+    vote aside."""
 
     class Mode:
         def __init__(self, extend: bool) -> None:
@@ -279,20 +280,27 @@ def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tm
         def is_extend(self) -> bool:
             return self.extend
 
+    class Running:
+        def __init__(self, requests: int) -> None:
+            self.requests = requests
+
+        def is_empty(self) -> bool:
+            return self.requests == 0
+
     class Scheduler:
         @functools.cached_property
         def _prefill_agreement(self) -> Agreement:
             return Agreement(lambda vote: None)
 
         def get_next_batch_to_run(self, running_batch: Any, last_batch: Any) -> Any:
-            votes, decode_vote, extend = running_batch
+            votes, decode_vote, extend, running = running_batch
             for _ in range(votes):
                 self._prefill_agreement.reduce([0])
             if decode_vote:
                 with injector.preparing_decode():
                     self._prefill_agreement.reduce([0])
             batch = None if extend is None else SimpleNamespace(forward_mode=Mode(extend))
-            return SimpleNamespace(batch_to_run=batch, running_batch=None)
+            return SimpleNamespace(batch_to_run=batch, running_batch=Running(running))
 
         def run_event_loop(self) -> None:
             pass
@@ -301,19 +309,20 @@ def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tm
     assert "get_next_batch_to_run" in hook.wrap_scheduler(Scheduler, injector)
     scheduler = Scheduler()
     iterations = [
-        (1, False, True),  # a prefill round admitted: its vote is not counted
-        (1, False, None),  # a round that admitted nothing, its vote made anyway: counted
-        (0, True, False),  # a decode step's vote: not counted
-        (2, True, False),  # a decode step after a round that admitted nothing (two all-reduces)
-        (0, False, None),  # idle: nothing
+        (1, False, True, 0),  # a prefill round admitted: its vote is not counted
+        (1, False, None, 2),  # a round that admitted nothing beside two running, its vote: counted
+        (0, True, False, 2),  # a decode step's vote: not counted
+        (2, True, False, 2),  # a decode step after a round that admitted nothing (two all-reduces)
+        (1, False, None, 0),  # nothing admitted, nothing running: the ranks agree afresh, not counted
+        (0, False, None, 0),  # idle: nothing
     ]
     for iteration in iterations:
         plan = scheduler.get_next_batch_to_run(iteration, None)
-        assert plan.running_batch is None  # the plan is passed on as it is
-    assert injector.counts["iterations"] == 5
+        assert plan.running_batch.requests == iteration[3]  # the plan is passed on as it is
+    assert injector.counts["iterations"] == 6
     assert injector.counts["idle_round_all_reduces"] == 3
     assert injector.counts["idle_round_iterations"] == 2
-    assert injector.counts["agreement_all_reduces"] == 6 and injector.counts["decode_votes"] == 2
+    assert injector.counts["agreement_all_reduces"] == 7 and injector.counts["decode_votes"] == 2
 
 
 class Allocator:
@@ -989,32 +998,33 @@ def test_a_run_names_each_request_whose_output_differs_with_its_unwinds(
 
 
 @pytest.mark.parametrize(
-    ("steps", "votes", "ok"),
-    [({"0": 40, "1": 40}, {"0": 9, "1": 9}, True), ({"0": 40, "1": 40}, {"0": 9, "1": 41}, False)],
+    ("votes", "idle_all_reduces", "failure"),
+    [
+        ({"0": 9, "1": 9}, {"0": 0, "1": 0}, None),
+        ({"0": 9, "1": 41}, {"0": 0, "1": 0}, "no decode step ran on the decode credit"),
+        ({"0": 9, "1": 9}, {"0": 0, "1": 3}, "agreed in iterations that admitted nothing"),
+    ],
 )
-def test_a_rank_local_control_shows_decode_steps_run_on_the_credit(
-    steps: dict[str, int], votes: dict[str, int], ok: bool
+def test_a_rank_local_control_shows_credited_steps_and_no_collective_where_nothing_was_admitted(
+    votes: dict[str, int], idle_all_reduces: dict[str, int], failure: str | None
 ) -> None:
     """A rank-local control run (nothing injected, so the decode credit holds): each rank voted on
-    fewer decode steps than it ran, and the verdict says how many of each; a rank that voted on
-    every step fails the run."""
+    fewer decode steps than it ran and made no all-reduce in an iteration that admitted nothing,
+    and the verdict says how many of each; a rank that voted on every step, or agreed in an
+    iteration that admitted nothing, fails the run."""
     run = Run(
         "dense", "tp2-natural-control", "control", tp=2, scenario="natural", started=True, rank_local=True
     )
-    run.decode_steps, run.decode_votes = steps, votes
-    run.iterations, run.idle_round_all_reduces = {"0": 61, "1": 60}, {"0": 12, "1": 11}
+    run.decode_steps, run.decode_votes = {"0": 40, "1": 40}, votes
+    run.iterations, run.idle_round_all_reduces = {"0": 61, "1": 60}, idle_all_reduces
     judge(run, [traffic.Outcome("long", True, [1])], None, NATURAL)
-    assert run.ok is ok, run.verdict
+    assert run.ok is (failure is None), run.verdict
     tail = (
         f"decode steps 0:40 1:40, decode votes 0:9 1:{votes['1']}; iterations 0:61 1:60,"
-        " all-reduces in iterations that admitted nothing 0:12 1:11"
+        " all-reduces in iterations that admitted nothing beside running requests"
+        f" 0:0 1:{idle_all_reduces['1']}"
     )
-    expected = (
-        f"all requests finished, no miss; {tail}"
-        if ok
-        else f"no decode step ran on the decode credit; {tail}"
-    )
-    assert run.verdict == expected
+    assert run.verdict == f"{failure or 'all requests finished, no miss'}; {tail}"
 
 
 NATURAL_HICACHE_SPECS = {spec.name: spec for spec, _ in CPU_PLAN if spec.scenario is NATURAL_HICACHE}

@@ -179,15 +179,17 @@ class Injector:
         with self._lock:
             return self.counts["agreement_all_reduces"] - self.counts["decode_votes"]
 
-    def iteration(self, admitted: bool, all_reduces: int) -> None:
-        """One event-loop iteration: whether it ran a prefill batch, and the agreement's
-        all-reduces other than decode votes that it made."""
-        idle = not admitted and all_reduces > 0
+    def iteration(self, admitted: bool, beside_running: bool, all_reduces: int) -> None:
+        """One event-loop iteration: whether it ran a prefill batch, whether requests were running,
+        and the agreement's all-reduces other than decode votes that it made. Those of an
+        iteration that admitted nothing beside running requests are counted apart (a saturated
+        server's iterations; with nothing running the ranks may agree afresh)."""
+        counted = 0 if admitted or not beside_running else all_reduces
         self.add(
             {
                 "iterations": 1,
-                "idle_round_all_reduces": 0 if admitted else all_reduces,
-                "idle_round_iterations": int(idle),
+                "idle_round_all_reduces": counted,
+                "idle_round_iterations": int(counted > 0),
             },
             SAVE_EVERY_S,
         )
@@ -572,7 +574,9 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
             batch = getattr(plan, "batch_to_run", plan)
             mode = getattr(batch, "forward_mode", None)
             admitted = mode is not None and bool(mode.is_extend())
-            injector.iteration(admitted, injector.rounds_all_reduces() - before)
+            running = getattr(plan, "running_batch", None)
+            beside_running = running is not None and not running.is_empty()
+            injector.iteration(admitted, beside_running, injector.rounds_all_reduces() - before)
             return plan
 
         setattr(scheduler_class, NEXT_BATCH_METHOD, get_next_batch_to_run)
