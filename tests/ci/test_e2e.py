@@ -448,6 +448,13 @@ def test_a_rank_local_pool_counts_from_its_free_list_not_its_withheld_reading(
         pool = base()
         assert getattr(base, "rank_local_capacity", None) is True
         assert (pool.uniform_available_size(), pool.available_size()) == (1000, 936)
+        # kvcached's rank-local interface: the real reading is the withheld one, and once the
+        # ranks agree a deficit the pool reads the uniform reading less it.
+        assert pool.real_available_size() == 936
+        pool.agree_deficit(100)
+        assert pool.available_size() == 900 and pool.real_available_size() == 936
+        pool.agree_deficit(None)
+        assert pool.available_size() == 936
     finally:
         sys.meta_path[:] = before
 

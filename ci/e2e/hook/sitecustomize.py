@@ -70,6 +70,8 @@ SLOT_MISS_METHOD = "_record_slot_miss"
 ALLOC_METHODS = ("alloc", "alloc_extend")
 AVAILABLE_METHOD = "available_size"
 UNIFORM_METHOD = "uniform_available_size"
+REAL_METHOD = "real_available_size"
+AGREE_METHOD = "agree_deficit"
 GUARANTEED_METHOD = "guaranteed_available_size"
 SAVE_EVERY_S = 0.5
 # Where each tree allocates a prefill batch, first match wins: the patched scheduler calls
@@ -388,6 +390,33 @@ def give_uniform_readings(classes: Sequence[type], guaranteed: bool) -> list[str
     return given
 
 
+def give_agreed_readings(classes: Sequence[type]) -> list[str]:
+    """The rest of kvcached's rank-local pool interface: `real_available_size` (the pool's reading
+    as it is here, withheld or not) and `agree_deficit`, after which `available_size` reads the
+    uniform reading less the ranks' agreed deficit (None: the real one). Returns what was given."""
+    given = []
+    for cls in classes:
+        real = cls.__dict__.get(AVAILABLE_METHOD)
+        if real is None or getattr(real, "_carry_agreed", False):
+            continue
+
+        def agree_deficit(self: Any, deficit: int | None) -> None:
+            self._carry_agreed_deficit = deficit
+
+        def available_size(self: Any) -> int:
+            deficit: int | None = getattr(self, "_carry_agreed_deficit", None)
+            if deficit is None:
+                return int(self.real_available_size())
+            return max(0, int(self.uniform_available_size()) - deficit)
+
+        available_size._carry_agreed = True  # type: ignore[attr-defined]
+        setattr(cls, REAL_METHOD, real)
+        setattr(cls, AGREE_METHOD, agree_deficit)
+        setattr(cls, AVAILABLE_METHOD, available_size)
+        given.append(f"{cls.__name__}.{AVAILABLE_METHOD}")
+    return given
+
+
 def wrap_available_size(classes: Sequence[type], withholder: Withholder) -> list[str]:
     """Wrap `available_size` where each class defines it; returns what was wrapped."""
     wrapped = []
@@ -677,6 +706,8 @@ def install(env: dict[str, str] | os._Environ[str] = os.environ) -> Injector | N
                 give_uniform_readings([base, *all_subclasses(base)], guaranteed=no_miss)
             if withholder.tokens > 0:
                 wrap_available_size([base, *all_subclasses(base)], withholder)
+            if rank_local:
+                give_agreed_readings([base, *all_subclasses(base)])
 
     def patch_controller(module: Any) -> None:
         wrap_start_loading(module.HiCacheController, injector)

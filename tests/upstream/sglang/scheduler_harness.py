@@ -526,8 +526,8 @@ class PhysicalMemory:
     """The hardware boundary of a kvcached-shaped (rank-local) KV allocator: the GPU memory it maps
     on demand, shared with co-tenant engines. The allocator's own free list is its free virtual
     space (`uniform_available_size`, what its own allocations and frees change, alike on every
-    rank); its real free space (`available_size`) is the least of that and what this GPU can still
-    map, which is the virtual space less what co-tenants took; an allocation beyond the real free
+    rank); its real free space (`real_available_size`) is the least of that and what this GPU can
+    still map, which is the virtual space less what co-tenants took; an allocation beyond the real free
     space misses, returning None having taken nothing (kvcached's contract). `taken` is read at
     every reading, so a test can make it drift between any two reads, as kvcached's TTL-cached
     physical reading does.
@@ -551,10 +551,25 @@ class PhysicalMemory:
             self.mapped_free -= min(self.mapped_free, need_size)
             return real_alloc(need_size, *args, **kwargs)
 
+        # kvcached's rank-local pool interface: its own two readings, and the agreed deficit its
+        # available_size() then reads by (None: the real reading).
+        self.agreed_deficit: int | None = None
         allocator.uniform_available_size = self.uniform
-        allocator.available_size = self.available
+        allocator.real_available_size = self.available
+        allocator.agree_deficit = self.agree_deficit
+        allocator.available_size = self.reading
         allocator.guaranteed_available_size = self.guaranteed
         allocator.alloc = alloc
+
+    def agree_deficit(self, deficit: int | None) -> None:
+        self.agreed_deficit = deficit
+
+    def reading(self) -> int:
+        """What the allocator answers `available_size()`: the uniform reading less the ranks'
+        agreed deficit where they agreed one, else the real free space."""
+        if self.agreed_deficit is None:
+            return self.available()
+        return max(0, self.uniform() - self.agreed_deficit)
 
     def guaranteed(self) -> int:
         """The free space no co-tenant can take (kvcached: its free blocks on mapped pages)."""

@@ -38,6 +38,15 @@ from sglang.srt.session.session_controller import Session
 from test_prefill_unwind import CHUNK, MAMBA, PING_PONG, PREFIX, _charged, _prompt, _start_chunked
 
 
+def counted_alike(pool: Any) -> None:
+    """Give one of sglang's own pools, declared rank-local by a test, the rank-local pool
+    interface: its free list is its own calls' count, so its uniform reading is its real one, and
+    the agreed deficit (0) changes nothing it reads."""
+    pool.uniform_available_size = pool.available_size
+    pool.real_available_size = pool.available_size
+    pool.agree_deficit = lambda deficit: None
+
+
 def _reads_the_ledger(sched: Any) -> bool:
     """Whether the scheduler's pools read the agreed ledger now. The series' first agreement
     (AgreedCapacity) keeps it while `current`; from RankAgreement on (one object, agreed on the
@@ -948,7 +957,7 @@ def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
         declaring.rank_local_capacity = True
         if callable(getattr(declaring, "available_size", None)):
             # sglang's own pools count their free space from their own calls, alike on every rank
-            declaring.uniform_available_size = declaring.available_size
+            counted_alike(declaring)
         votes: list[list[int]] = []
         real = h.tree_cache._all_reduce_attn_groups
 
@@ -1204,8 +1213,15 @@ class _ElasticMambaPool:
     def uniform_available_size(self) -> int:
         return self.slots
 
-    def available_size(self) -> int:
+    def real_available_size(self) -> int:
         return min(self.slots, self.mappable)
+
+    def agree_deficit(self, deficit: int | None) -> None:
+        self.deficit = deficit
+
+    def available_size(self) -> int:
+        deficit = getattr(self, "deficit", None)
+        return self.real_available_size() if deficit is None else max(0, self.slots - deficit)
 
 
 class _ElasticMambaSlots:
@@ -1218,7 +1234,16 @@ class _ElasticMambaSlots:
         self.mamba_pool = pool
 
     def available_size(self) -> int:
-        return self.mamba_pool.available_size()
+        deficit: int | None = getattr(self, "deficit", None)
+        if deficit is None:
+            return self.real_available_size()
+        return max(0, self.uniform_available_size() - deficit)
+
+    def real_available_size(self) -> int:
+        return self.mamba_pool.real_available_size()
+
+    def agree_deficit(self, deficit: int | None) -> None:
+        self.deficit = deficit
 
     def uniform_available_size(self) -> int:
         return self.mamba_pool.uniform_available_size()
@@ -1300,6 +1325,6 @@ def test_a_rank_local_pool_that_cannot_be_counted_alike_is_refused_by_name() -> 
     with sh.build_harness() as h:
         h.token_to_kv_pool_allocator.rank_local_capacity = True
         with pytest.raises(
-            ValueError, match=r"TokenToKVPoolAllocator declares rank_local_capacity but has no"
+            ValueError, match=r"TokenToKVPoolAllocator.* declares rank_local_capacity but (has no|lacks)"
         ):
             h.scheduler._prefill_agreement  # noqa: B018  (the property is what refuses)

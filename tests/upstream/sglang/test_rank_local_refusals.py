@@ -27,7 +27,7 @@ from unittest import mock
 import pytest
 import scheduler_harness as sh
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from test_rank_agreement import MultiRoundScenario, TwoRanks, run_two_ranks
+from test_rank_agreement import MultiRoundScenario, TwoRanks, counted_alike, run_two_ranks
 
 LAZY_MAMBA = types.SimpleNamespace(mamba=types.SimpleNamespace(enable_mamba_extra_buffer_lazy=True))
 
@@ -74,7 +74,7 @@ def _lazy_ping_pong(h: sh.Harness, rank: int) -> dict[str, Any]:
     """The Mamba pool rank-local (as kvcached's Mamba allocator is), counted alike on every rank."""
     pool = _mamba_pool(h)
     pool.rank_local_capacity = True
-    pool.uniform_available_size = pool.available_size
+    counted_alike(pool)
     with mock.patch("sglang.srt.managers.scheduler.get_exec", return_value=LAZY_MAMBA):
         return _start_up(h)
 
