@@ -31,7 +31,7 @@ import torch
 from event_loop_driver import EventLoopDriver
 from test_event_loop_driver import LOOPS, _queue
 from test_prefill_unwind import _prompt
-from test_rank_agreement import TwoRanks, run_two_ranks
+from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
 
 
 def _ballot(**fields: Any) -> Any:
@@ -185,6 +185,41 @@ def _loop_idle_on_one_rank(h: sh.Harness, rank: int, loop: str) -> dict[str, Any
     }
 
 
+def _first_step_after_a_lone_prefill(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
+    """Three requests prefill together with nothing running; the loop's next iteration merges
+    them into its LOCAL running batch (self.running_batch is still empty) and decodes it. After
+    the prefill rank 1 holds 1 token mapped and a co-tenant holds all its other memory, drifting
+    at every reading; rank 0 holds plenty. The step needs 3 tokens: the credit (1 token, the least
+    reading) does not cover it, so it votes, misses on rank 1 and both ranks retract alike. A
+    credit counted from self.running_batch's rows (none) would cover it, and rank 1's allocation
+    would miss alone in a step no rank voted on."""
+    driver: EventLoopDriver = LOOPS[loop][0](h)
+    assert h.physical is not None
+    prompts = [5, 6, 7]
+    h.physical.hold_mapped(sum(prompts) + (60 if rank == 0 else 1))
+    reqs = [_queue(h, i, length, max_new_tokens=4) for i, length in enumerate(prompts)]
+    failure = None
+    misses = -1
+    strict_check_off = mock.patch.dict(os.environ, {sim.STRICT_IDLE_CHECK: "0"})
+    try:
+        with strict_check_off:
+            first = driver.step()
+            assert first.forward_mode == "EXTEND" and len(first.rids) == 3, first
+            if rank == 1:
+                h.physical.drift(_drifting(h.physical.uniform()))
+            driver.step()
+            misses = h.scheduler.num_decode_allocation_misses
+            h.physical.take(0)  # the co-tenants leave: whatever was retracted runs
+            driver.run_until(lambda: all(req.finished() for req in reqs), max_iterations=40)
+    except Exception as error:  # a rank's loop raised (a miss in a step no rank voted on)
+        failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return {
+        "iterations": [(it.forward_mode, it.rids) for it in driver.iterations],
+        "misses_at_the_first_step": misses,
+        "failure": failure,
+    }
+
+
 SCENARIOS: dict[str, Any] = {
     "tp_idle_on_one_rank": _idle_on_one_rank,
     "tp_put_back_then_idle": _put_back_then_idle,
@@ -192,8 +227,15 @@ SCENARIOS: dict[str, Any] = {
         f"loop_idle_on_one_rank_{loop}": functools.partial(_loop_idle_on_one_rank, loop=loop)
         for loop in LOOPS
     },
+    **{
+        f"loop_first_step_{loop}": functools.partial(_first_step_after_a_lone_prefill, loop=loop)
+        for loop in LOOPS
+    },
 }
-CONFIGS = {f"loop_idle_on_one_rank_{loop}": LOOPS[loop][1] for loop in LOOPS}
+CONFIGS = {
+    **{f"loop_idle_on_one_rank_{loop}": LOOPS[loop][1] for loop in LOOPS},
+    **{f"loop_first_step_{loop}": LOOPS[loop][1] for loop in LOOPS},
+}
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +255,14 @@ def test_a_rank_idle_alone_in_the_real_loop_stays_in_step(two_ranks: TwoRanks, l
     assert ranks[0]["failure"] is None and ranks[1]["failure"] is None, ranks
     assert ranks[0]["collectives"] == ranks[1]["collectives"]
     assert ranks[0]["iterations"] == ranks[1]["iterations"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_credit_counts_the_rows_of_the_step_it_covers(two_ranks: TwoRanks, loop: str) -> None:
+    ranks = two_ranks.scenario(f"loop_first_step_{loop}")
+    assert ranks[0]["failure"] is None and ranks[1]["failure"] is None, ranks
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["misses_at_the_first_step"] == 1  # voted, missed on rank 1, retracted alike
 
 
 def test_after_the_first_round_each_round_makes_one_vote_put_back_or_idle(two_ranks: TwoRanks) -> None:
