@@ -21,21 +21,14 @@ import types
 from typing import Any
 
 import pytest
-import sglang.srt.mem_cache.allocator as alloc_pkg
-import torch
-from test_rank_local_capacity import PAGE, TOKENS, _hybrid_req_to_token_pool, _mha_pool, elastic
-from test_uniform_capacity import _scheduler_reads
+from test_rank_local_capacity import PAGE, elastic
+from test_uniform_capacity import _scheduler_reads, elastic_pools
 
 __all__ = ["elastic"]  # the fixture, shared with test_rank_local_capacity.py
 
 
 def _pools(elastic: types.ModuleType, page_size: int) -> tuple[Any, Any, list[Any]]:
-    req_to_token_pool = _hybrid_req_to_token_pool()
-    kvcache = _mha_pool(elastic.MHATokenToKVPool)
-    if page_size == 1:
-        allocator = alloc_pkg.TokenToKVPoolAllocator(TOKENS, torch.bfloat16, "cpu", kvcache, False)
-    else:
-        allocator = alloc_pkg.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False)
+    allocator, req_to_token_pool = elastic_pools(elastic, page_size)
     managers = (allocator.kvcached_allocator, req_to_token_pool.mamba_pool.kvcached_allocator)
     for manager in managers:
         manager.mappable = 1  # a co-tenant maps this GPU's memory away: real < uniform

@@ -7,7 +7,7 @@ can still map, which a co-tenant changes and which kvcached caches for 100 ms: t
 drift apart. The carried scheduler agrees on that reading at points every rank reaches alike and in
 between counts from `uniform_available_size()`, which only the pool's own calls change. These tests
 install kvcached's patches over the REAL SGLang classes (test_rank_local_capacity.py's fixture,
-faking only kvcached's CUDA boundary) and hand the pools to the REAL scheduler's ledger.
+faking only kvcached's CUDA boundary).
 
 Expected: FAIL with the miss-reporting entry alone, PASS with this one.
 """
@@ -40,17 +40,16 @@ def _scheduler_reads(allocator: Any, req_to_token_pool: Any) -> list[Any]:
     ]
 
 
-def _the_schedulers_ledger(pools: list[object]) -> None:
-    """Hand the pools to the carried scheduler's ledger (RankAgreement; AgreedCapacity before it),
-    which refuses a pool without a uniform reading."""
-    try:
-        from sglang.srt.mem_cache.rank_agreement import RankAgreement
-    except ImportError:
-        from sglang.srt.mem_cache.allocation import AgreedCapacity
-
-        AgreedCapacity(pools)
-        return
-    RankAgreement(lambda vote: None, pools)
+def elastic_pools(elastic: types.ModuleType, page_size: int) -> tuple[Any, Any]:
+    """An elastic token allocator (paged where `page_size` > 1) and a hybrid request pool with
+    kvcached's elastic Mamba pool, as kvcached's patches build them over sglang's classes."""
+    req_to_token_pool = _hybrid_req_to_token_pool()
+    kvcache = _mha_pool(elastic.MHATokenToKVPool)
+    if page_size == 1:
+        allocator = alloc_pkg.TokenToKVPoolAllocator(TOKENS, torch.bfloat16, "cpu", kvcache, False)
+    else:
+        allocator = alloc_pkg.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False)
+    return allocator, req_to_token_pool
 
 
 @pytest.mark.parametrize("page_size", [1, PAGE])
@@ -60,13 +59,9 @@ def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
     """Each elastic pool whose free space the scheduler's ranks agree on has a reading that only
     its own calls change (`uniform_available_size`: the manager's virtual space), beside its real
     one (the least of that and the GPU memory left to map). A co-tenant lowers the real reading
-    only. The carried scheduler's ledger takes every one of them (a pool without it is refused)."""
-    req_to_token_pool = _hybrid_req_to_token_pool()
-    kvcache = _mha_pool(elastic.MHATokenToKVPool)
-    if page_size == 1:
-        allocator = alloc_pkg.TokenToKVPoolAllocator(TOKENS, torch.bfloat16, "cpu", kvcache, False)
-    else:
-        allocator = alloc_pkg.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False)
+    only. (That the carried scheduler's agreement takes every one of them is test_agreed_deficit's:
+    from the sglang series' pool interface on it needs kvcached's entry 0004 too.)"""
+    allocator, req_to_token_pool = elastic_pools(elastic, page_size)
     read = _scheduler_reads(allocator, req_to_token_pool)
     assert {type(pool).__name__ for pool in read} >= {
         type(allocator).__name__,
@@ -81,4 +76,3 @@ def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
         manager.mappable = 1  # a co-tenant maps this GPU's memory away
     for pool in read:
         assert pool.available_size() < pool.uniform_available_size(), type(pool).__name__
-    _the_schedulers_ledger(read)

@@ -29,6 +29,7 @@ import scheduler_harness as sh
 import simulation as sim
 import torch
 from event_loop_driver import EventLoopDriver
+from test_decode_credit import _count_votes
 from test_event_loop_driver import LOOPS, _queue
 from test_prefill_unwind import _prompt
 from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
@@ -101,19 +102,6 @@ def test_the_credit_counts_each_steps_own_rows_against_the_least_reading() -> No
     assert not agreement.covers_decode_step(1)
 
 
-def _count_collectives(h: sh.Harness) -> list[int]:
-    """The sizes of the all-reduces this rank makes over its groups, in order."""
-    made: list[int] = []
-    real = h.tree_cache._all_reduce_attn_groups
-
-    def all_reduce_attn_groups(tensor: torch.Tensor, op: Any) -> None:
-        made.append(tensor.numel())
-        real(tensor, op)
-
-    h.tree_cache._all_reduce_attn_groups = all_reduce_attn_groups
-    return made
-
-
 def _admitting_round(h: sh.Harness, prompt: int, miss: sh.MissSite | None = None) -> list[str] | None:
     h.add_request(_prompt(prompt))
     with h.arm_miss(miss) if miss else contextlib.nullcontext():
@@ -130,7 +118,7 @@ def _idle_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any]:
     own is_fully_idle() holds: its HiCache write-through state is rank-local), rank 1 is not. A
     request arrives and a round admits it on both. Before the entry rank 0 agreed afresh before
     admission, an all-reduce rank 1 never made: the ranks' collectives parted."""
-    sizes = _count_collectives(h)
+    sizes = _count_votes(h)
     rounds = [_admitting_round(h, 0)]
     if rank == 0:
         h.scheduler._release_agreed_free_space()
@@ -142,7 +130,7 @@ def _put_back_then_idle(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Rounds on both ranks: one that runs, one put back where rank 0's allocation missed, one
     that runs, then both idle, then one more. Each round after the first makes one collective:
     its vote (the put-back round also agrees on how long its requests have been missing)."""
-    sizes = _count_collectives(h)
+    sizes = _count_votes(h)
     per_round: list[int] = []
     rounds = []
     rank_0_misses: sh.MissSite | None = "token_slots" if rank == 0 else None
