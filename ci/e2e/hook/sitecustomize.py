@@ -390,6 +390,17 @@ def give_uniform_readings(classes: Sequence[type], guaranteed: bool) -> list[str
     return given
 
 
+def _agree_deficit(self: Any, deficit: int | None) -> None:
+    self._carry_agreed_deficit = deficit
+
+
+def _agreed_available_size(self: Any) -> int:
+    deficit: int | None = getattr(self, "_carry_agreed_deficit", None)
+    if deficit is None:
+        return int(self.real_available_size())
+    return max(0, int(self.uniform_available_size()) - deficit)
+
+
 def give_agreed_readings(classes: Sequence[type]) -> list[str]:
     """The rest of kvcached's rank-local pool interface: `real_available_size` (the pool's reading
     as it is here, withheld or not) and `agree_deficit`, after which `available_size` reads the
@@ -397,22 +408,11 @@ def give_agreed_readings(classes: Sequence[type]) -> list[str]:
     given = []
     for cls in classes:
         real = cls.__dict__.get(AVAILABLE_METHOD)
-        if real is None or getattr(real, "_carry_agreed", False):
+        if real is None or real is _agreed_available_size:
             continue
-
-        def agree_deficit(self: Any, deficit: int | None) -> None:
-            self._carry_agreed_deficit = deficit
-
-        def available_size(self: Any) -> int:
-            deficit: int | None = getattr(self, "_carry_agreed_deficit", None)
-            if deficit is None:
-                return int(self.real_available_size())
-            return max(0, int(self.uniform_available_size()) - deficit)
-
-        available_size._carry_agreed = True  # type: ignore[attr-defined]
         setattr(cls, REAL_METHOD, real)
-        setattr(cls, AGREE_METHOD, agree_deficit)
-        setattr(cls, AVAILABLE_METHOD, available_size)
+        setattr(cls, AGREE_METHOD, _agree_deficit)
+        setattr(cls, AVAILABLE_METHOD, _agreed_available_size)
         given.append(f"{cls.__name__}.{AVAILABLE_METHOD}")
     return given
 

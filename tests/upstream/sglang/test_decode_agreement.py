@@ -34,6 +34,7 @@ from test_rank_agreement import (
     TwoRanks,
     _drifting,
     _reads_the_ledger,
+    agrees_by_deficit,
     run_two_ranks,
 )
 
@@ -99,7 +100,7 @@ def _decode_step(h: sh.Harness, batch: ScheduleBatch) -> dict[str, Any]:
         # After a miss the ledger holds what the co-tenant took: before RankAgreement the next
         # prefill round agrees on the real readings afresh; from it on the miss's vote agreed it.
         "agreement_current": _reads_the_ledger(sched),
-        "agreed_by_every_vote": hasattr(sched._prefill_agreement, "reads_ledger"),
+        "agreed_by_every_vote": agrees_by_deficit(sched),
     }
 
 

@@ -27,7 +27,14 @@ from event_loop_driver import EventLoopDriver
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from test_decode_agreement import _prefilled_batch
 from test_prefill_unwind import _prompt
-from test_rank_agreement import MISSING_RANK, MultiRoundScenario, TwoRanks, _drifting, run_two_ranks
+from test_rank_agreement import (
+    MISSING_RANK,
+    MultiRoundScenario,
+    TwoRanks,
+    _drifting,
+    agrees_by_deficit,
+    run_two_ranks,
+)
 
 
 def _count_votes(h: sh.Harness) -> list[int]:
@@ -65,7 +72,7 @@ def _by_deficit(h: sh.Harness) -> bool:
     deficit) and the credit (in tokens, counted against each step's own rows), whatever its
     outcome. Before it, only a prefill round that ran alike agreed the ledger, and a credit in
     steps from a bound on the rows."""
-    return hasattr(h.scheduler._prefill_agreement, "reads_ledger")
+    return agrees_by_deficit(h.scheduler)
 
 
 def _no_step_missed_without_a_vote(steps: list[dict[str, Any]]) -> None:

@@ -26,7 +26,7 @@ import scheduler_harness as sh
 from event_loop_driver import NEXT_TOKEN, EventLoopDriver, Iteration, OverlapEventLoopDriver, check_tree
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
 from test_prefill_unwind import _prompt
-from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
+from test_rank_agreement import TwoRanks, _drifting, agrees_by_deficit, run_two_ranks
 
 NO_OVERLAP: dict[str, Any] = {"enable_overlap": False}  # event_loop_normal's mode
 # Each loop a server runs: its driver and the harness flags of its mode (--disable-overlap-schedule
@@ -273,7 +273,7 @@ def _credit_after_a_merged_prefill(h: sh.Harness, rank: int) -> dict[str, Any]:
     agreement = sched._prefill_agreement
     agreed: list[dict[str, int]] = []
     credited: list[int] = []
-    if hasattr(agreement, "covers_decode_step"):
+    if agrees_by_deficit(sched):
         _record_rank_agreement(driver, agreement, agreed, credited)
     else:
         _record_decode_credit(driver, agreement, agreed, credited)

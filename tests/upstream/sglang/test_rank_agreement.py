@@ -47,6 +47,12 @@ def counted_alike(pool: Any) -> None:
     pool.agree_deficit = lambda deficit: None
 
 
+def agrees_by_deficit(sched: Any) -> bool:
+    """The tree carries RankAgreement (the agreement on each pool's deficit, agreed by every vote
+    whatever its outcome); before it the series agreed on the least free space (AgreedCapacity)."""
+    return hasattr(sched._prefill_agreement, "reads_ledger")
+
+
 def _reads_the_ledger(sched: Any) -> bool:
     """Whether the scheduler's pools read the agreed ledger now. The series' first agreement
     (AgreedCapacity) keeps it while `current`; from RankAgreement on (one object, agreed on the
@@ -973,7 +979,7 @@ def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
         free_space = votes[:-1]
         # One reading per pool that reports free space (a KV cache, a Mamba state pool: none).
         readings = int(callable(getattr(declaring, "available_size", None)))
-        by_deficit = hasattr(h.scheduler._prefill_agreement, "reads_ledger")
+        by_deficit = agrees_by_deficit(h.scheduler)
         if by_deficit:
             # RankAgreement: one ballot, its deficits (uniform minus real: 0 for sglang's own
             # pools) in every vote, also before the first admission.
@@ -1023,7 +1029,7 @@ def test_an_admitting_round_makes_one_collective_once_agreed() -> None:
         # The missed round makes a second collective, after the vote: how long its requests have
         # been missing, the most any rank measured (the wall-clock deadline, alike on every rank).
         missed_round = 2 if hasattr(h.scheduler, "_prefill_unwind_clock") else 1
-        if hasattr(h.scheduler._prefill_agreement, "reads_ledger"):
+        if agrees_by_deficit(h.scheduler):
             # RankAgreement: the vote agrees the deficit whatever the outcome, and going idle
             # keeps it: after the first round, one collective per admitting round, always.
             assert collectives == [2, 1, missed_round, 1, 1, 1]
@@ -1109,7 +1115,7 @@ def test_a_put_back_round_whose_next_round_only_continues_a_chunk_agrees_afresh(
         assert h.run_round() is None  # put back
         # Before RankAgreement the put-back round leaves no agreement, and the next agrees afresh;
         # from it on the put-back round's vote agreed the deficit the co-tenant made.
-        assert _reads_the_ledger(sched) == hasattr(sched._prefill_agreement, "reads_ledger")
+        assert _reads_the_ledger(sched) == agrees_by_deficit(sched)
         assert sched.waiting_queue == [] and sched.chunked_req is long
         batch = h.run_round()
         assert batch is not None and batch.reqs == [long] and _reads_the_ledger(sched)
