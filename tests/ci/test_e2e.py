@@ -270,8 +270,7 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
 
 def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tmp_path: Path) -> None:
     """Each call of get_next_batch_to_run is one loop iteration; the agreement's all-reduces made
-    inside one that ran no prefill batch beside running requests are counted, a decode step's
-    vote aside."""
+    inside one that ran no prefill batch are counted, a decode step's vote aside."""
 
     class Mode:
         def __init__(self, extend: bool) -> None:
@@ -313,15 +312,15 @@ def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tm
         (1, False, None, 2),  # a round that admitted nothing beside two running, its vote: counted
         (0, True, False, 2),  # a decode step's vote: not counted
         (2, True, False, 2),  # a decode step after a round that admitted nothing (two all-reduces)
-        (1, False, None, 0),  # nothing admitted, nothing running: the ranks agree afresh, not counted
+        (1, False, None, 0),  # nothing admitted, nothing running: the ranks agreed afresh, counted
         (0, False, None, 0),  # idle: nothing
     ]
     for iteration in iterations:
         plan = scheduler.get_next_batch_to_run(iteration, None)
         assert plan.running_batch.requests == iteration[3]  # the plan is passed on as it is
     assert injector.counts["iterations"] == 6
-    assert injector.counts["idle_round_all_reduces"] == 3
-    assert injector.counts["idle_round_iterations"] == 2
+    assert injector.counts["idle_round_all_reduces"] == 4
+    assert injector.counts["idle_round_iterations"] == 3
     assert injector.counts["agreement_all_reduces"] == 7 and injector.counts["decode_votes"] == 2
 
 
@@ -1028,7 +1027,7 @@ def test_a_rank_local_control_shows_credited_steps_and_no_collective_where_nothi
     assert run.ok is (failure is None), run.verdict
     tail = (
         f"decode steps 0:40 1:40, decode votes 0:9 1:{votes['1']}; iterations 0:61 1:60,"
-        " all-reduces in iterations that admitted nothing beside running requests"
+        " all-reduces in iterations that admitted nothing"
         f" 0:0 1:{idle_all_reduces['1']}"
     )
     assert run.verdict == f"{failure or 'all requests finished, no miss'}; {tail}"

@@ -215,20 +215,21 @@ def voted_on_every_decode_step(run: Run) -> bool:
 def agreed_in_iterations_that_admitted_nothing(run: Run) -> bool:
     """A rank-local control run whose ranks made agreement all-reduces (decode votes aside) in loop
     iterations that admitted nothing: the carried scheduler makes none there while requests run,
-    and with nothing injected the queue never waits with nothing running."""
+    and with nothing running only where the ranks agreed a deficit, which a control (nothing
+    injected, nothing withheld) never has."""
     return run.kind == CONTROL and run.rank_local and any(run.idle_round_all_reduces.values())
 
 
 def decode_votes(run: Run) -> str:
     """A rank-local run's decode steps and the ranks' votes on them, and its loop iterations with
-    the all-reduces made in those that admitted nothing beside running requests, per rank (empty
+    the all-reduces made in those that admitted nothing, per rank (empty
     otherwise)."""
     if not run.rank_local:
         return ""
     return (
         f"; decode steps {per_rank(run.decode_steps)}, decode votes {per_rank(run.decode_votes)}"
         f"; iterations {per_rank(run.iterations)}, all-reduces in iterations that admitted nothing"
-        f" beside running requests {per_rank(run.idle_round_all_reduces)}"
+        f" {per_rank(run.idle_round_all_reduces)}"
     )
 
 

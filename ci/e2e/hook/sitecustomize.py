@@ -181,12 +181,12 @@ class Injector:
         with self._lock:
             return self.counts["agreement_all_reduces"] - self.counts["decode_votes"]
 
-    def iteration(self, admitted: bool, beside_running: bool, all_reduces: int) -> None:
-        """One event-loop iteration: whether it ran a prefill batch, whether requests were running,
-        and the agreement's all-reduces other than decode votes that it made. Those of an
-        iteration that admitted nothing beside running requests are counted apart (a saturated
-        server's iterations; with nothing running the ranks may agree afresh)."""
-        counted = 0 if admitted or not beside_running else all_reduces
+    def iteration(self, admitted: bool, all_reduces: int) -> None:
+        """One event-loop iteration: whether it ran a prefill batch, and the agreement's
+        all-reduces other than decode votes that it made. Those of an iteration that admitted
+        nothing are counted apart (a saturated server's iterations, or a queue waiting with nothing
+        running: the ranks agree afresh there only where they agreed a deficit)."""
+        counted = 0 if admitted else all_reduces
         self.add(
             {
                 "iterations": 1,
@@ -603,9 +603,7 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
             batch = getattr(plan, "batch_to_run", plan)
             mode = getattr(batch, "forward_mode", None)
             admitted = mode is not None and bool(mode.is_extend())
-            running = getattr(plan, "running_batch", None)
-            beside_running = running is not None and not running.is_empty()
-            injector.iteration(admitted, beside_running, injector.rounds_all_reduces() - before)
+            injector.iteration(admitted, injector.rounds_all_reduces() - before)
             return plan
 
         setattr(scheduler_class, NEXT_BATCH_METHOD, get_next_batch_to_run)

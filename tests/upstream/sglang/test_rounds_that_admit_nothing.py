@@ -6,27 +6,35 @@ rank admitted anything (the IDLE vote): a server at its running-request limit, i
 empty, paid one CPU collective per decode step on top of the decode vote the credit skips. The
 ranks read the same ledger and the same trees (load-backs are agreed), so a round that admits
 nothing does so on every rank, and the entry drops that vote. Where nothing runs either, a round
-that admits nothing agrees afresh (every rank alike): no decode vote would refresh a ledger that a
-co-tenant's returned memory made stale, and the queue would wait for ever.
+that admits nothing with requests queued agrees afresh (every rank alike) where the ranks agreed a
+deficit: no decode vote would refresh a ledger that a co-tenant's returned memory made stale, and
+the queue would wait for ever; with no deficit agreed, or only a grammar waiting, it makes none.
 
 Two forked gloo ranks with distinct group objects run the real event loop (both loops), readings
 drifting at every reading. Three requests arrive; the pool has two request rows, so the third
 waits while the first two decode on a credit (both ranks hold ample memory mapped).
 
+A second scenario: a request runs while a co-tenant holds part of rank 1's memory (a deficit
+agreed), then only a request waiting for its grammar is left, for eight iterations.
+
 Expected: FAILS without the entry (a vote with no batch in every iteration the third request
-waits) and PASSES with it.
+waits; an agreement in every iteration the grammar waits) and PASSES with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from typing import Any
+from unittest import mock
 
 import pytest
 import scheduler_harness as sh
+import simulation as sim
 from event_loop_driver import EventLoopDriver
 from test_event_loop_driver import LOOPS, _queue
-from test_rank_agreement import TwoRanks, run_two_ranks
+from test_rank_agreement import TwoRanks, _cotenant, run_two_ranks
 
 
 def _third_request_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
@@ -62,8 +70,44 @@ def _third_request_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {f"third_waits_{loop}": functools.partial(_third_request_waits, loop=loop) for loop in LOOPS}
-CONFIGS = {f"third_waits_{loop}": {**LOOPS[loop][1], "req_rows": 2} for loop in LOOPS}
+def _only_a_grammar_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
+    """A request runs while a co-tenant holds part of rank 1's memory: its vote agrees that deficit.
+    Then nothing is queued or running and one request waits for its grammar to compile (the
+    grammar backend is the I/O boundary: it answers that a grammar waits and that none is ready)
+    for eight iterations: a round that can admit nothing, which makes no agreement."""
+    driver: EventLoopDriver = LOOPS[loop][0](h)
+    assert h.physical is not None
+    h.physical.hold_mapped(400)
+    sched = h.scheduler
+    agreement = sched._prefill_agreement
+    # Upstream's strict idle check reads a co-tenant's memory as a leak (kvcached's integration
+    # turns it off), so it is off here.
+    strict_check_off = mock.patch.dict(os.environ, {sim.STRICT_IDLE_CHECK: "0"})
+    with strict_check_off, _cotenant(h, 300) if rank == 1 else contextlib.nullcontext():
+        first = _queue(h, 0, 6, max_new_tokens=4)
+        driver.run_until_idle(max_iterations=30)
+        votes_before = agreement.votes
+        grammars = sched.grammar_manager
+        with (
+            mock.patch.object(grammars, "has_waiting_grammars", return_value=True),
+            mock.patch.object(grammars, "get_ready_grammar_requests", return_value=[]),
+        ):
+            driver.run(8)
+    return {
+        "first_finished": first.finished(),
+        "agreed_a_deficit": getattr(agreement, "agreed_a_deficit", None),  # None: before the entry
+        "votes_while_the_grammar_waited": agreement.votes - votes_before,
+    }
+
+
+SCENARIOS = {
+    **{f"third_waits_{loop}": functools.partial(_third_request_waits, loop=loop) for loop in LOOPS},
+    **{f"grammar_waits_{loop}": functools.partial(_only_a_grammar_waits, loop=loop) for loop in LOOPS},
+}
+CONFIGS = {
+    **{f"third_waits_{loop}": {**LOOPS[loop][1], "req_rows": 2} for loop in LOOPS},
+    **{f"grammar_waits_{loop}": LOOPS[loop][1] for loop in LOOPS},
+}
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +129,12 @@ def test_a_round_that_admits_nothing_beside_running_requests_makes_no_vote(
     waited = set(r["decode_steps_r2_waited"])
     # In the steps the third request waited, the credit covered the decode votes too: no vote.
     assert [v for v in r["votes"] if v["iteration"] in waited] == [], r
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_round_whose_only_work_is_a_grammar_makes_no_agreement(two_ranks: TwoRanks, loop: str) -> None:
+    """Even where the ranks agreed a deficit, a round with nothing queued agrees nothing afresh: a
+    grammar that compiles admits nothing whatever the ledger."""
+    ranks = two_ranks.scenario(f"grammar_waits_{loop}")
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == {"first_finished": True, "agreed_a_deficit": True, "votes_while_the_grammar_waited": 0}
