@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import sglang.srt.mem_cache.allocator as alloc_pkg
 import torch
+from test_guaranteed_capacity import BLOCKS_PER_PAGE, GPU_PAGES, manager
 from test_rank_local_capacity import PAGE, TOKENS, _hybrid_req_to_token_pool, _mha_pool, elastic
 
-__all__ = ["elastic"]  # the fixture, shared with test_rank_local_capacity.py
+# The fixtures, shared with test_rank_local_capacity.py and test_guaranteed_capacity.py.
+__all__ = ["elastic", "manager"]
 
 
 def _scheduler_reads(allocator: Any, req_to_token_pool: Any) -> list[Any]:
@@ -72,7 +74,23 @@ def test_every_pool_the_scheduler_agrees_on_counts_alike_on_every_rank(
         uniform, real = pool.uniform_available_size(), pool.available_size()
         assert uniform == real > 0, type(pool).__name__
     managers = (allocator.kvcached_allocator, req_to_token_pool.mamba_pool.kvcached_allocator)
-    for manager in managers:
-        manager.mappable = 1  # a co-tenant maps this GPU's memory away
+    for fake_manager in managers:
+        fake_manager.mappable = 1  # a co-tenant maps this GPU's memory away
     for pool in read:
         assert pool.available_size() < pool.uniform_available_size(), type(pool).__name__
+
+
+def test_the_managers_own_reading_counts_its_unmapped_pages_and_no_co_tenant(manager: Any) -> None:
+    """The REAL KVCacheManager (test_guaranteed_capacity.py's fixture, its C++ extension faked):
+    `virtual_available_size()` is every block of its virtual space it has not handed out, on
+    mapped pages and on pages it has not mapped yet, whatever co-tenants map; only its own calls
+    move it, one block for one."""
+    every_block = GPU_PAGES * BLOCKS_PER_PAGE
+    assert manager.virtual_available_size() == every_block  # nothing mapped yet
+    blocks = manager.alloc(3)
+    assert blocks is not None
+    assert manager.virtual_available_size() == every_block - 3
+    manager.page_allocator.cotenant_pages = GPU_PAGES - len(manager.page_allocator.mapped)
+    assert manager.available_size() < manager.virtual_available_size() == every_block - 3
+    manager.free(blocks)
+    assert manager.virtual_available_size() == every_block
