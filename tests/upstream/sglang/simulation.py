@@ -47,6 +47,14 @@ from event_loop_driver import EventLoopDriver, Iteration, OverlapEventLoopDriver
 
 # Upstream's idle leak check (invariant_checker.py), strict by default.
 STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"
+
+
+def strict_idle_check_off() -> contextlib.AbstractContextManager[Any]:
+    """Upstream's strict idle check off: it reads memory co-tenants hold as a leak (kvcached's
+    integration turns it off)."""
+    return mock.patch.dict(os.environ, {STRICT_IDLE_CHECK: "0"})
+
+
 # Idle iterations once every request ended, before the one with upstream's strict idle check.
 WIND_DOWN_ITERATIONS = 10
 # Iterations at most per seed; the co-tenants give everything back at this iteration.
@@ -277,7 +285,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
         # upstream's idle check (strict by default) reads as a leak; kvcached's own SGLang
         # integration turns that check off. Off while they may hold memory; on for the final idle
         # iteration, after they left.
-        with recording_collectives(made), mock.patch.dict(os.environ, {STRICT_IDLE_CHECK: "0"}):
+        with recording_collectives(made), strict_idle_check_off():
             for iteration in range(MAX_ITERATIONS):
                 if iteration == CO_TENANTS_LEAVE_AT:
                     h.physical.take(0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any
 from unittest import mock
 
@@ -153,9 +152,8 @@ def _loop_idle_on_one_rank(h: sh.Harness, rank: int, loop: str) -> dict[str, Any
     failure = None
     try:
         # Co-tenants hold memory (the drift) throughout: upstream's strict idle check would read
-        # that as a leak (kvcached's integration turns it off), so it is off here.
-        strict_check_off = mock.patch.dict(os.environ, {sim.STRICT_IDLE_CHECK: "0"})
-        with sim.recording_collectives(made), strict_check_off:
+        # that as a leak, so it is off here.
+        with sim.recording_collectives(made), sim.strict_idle_check_off():
             first = _queue(h, 0, 6, max_new_tokens=3)
             driver.run_until(first.finished, max_iterations=20)
             busy = mock.patch.object(h.scheduler, "is_fully_idle", lambda: False)
@@ -188,9 +186,8 @@ def _first_step_after_a_lone_prefill(h: sh.Harness, rank: int, loop: str) -> dic
     reqs = [_queue(h, i, length, max_new_tokens=4) for i, length in enumerate(prompts)]
     failure = None
     misses = -1
-    strict_check_off = mock.patch.dict(os.environ, {sim.STRICT_IDLE_CHECK: "0"})
     try:
-        with strict_check_off:
+        with sim.strict_idle_check_off():
             first = driver.step()
             assert first.forward_mode == "EXTEND" and len(first.rids) == 3, first
             if rank == 1:
