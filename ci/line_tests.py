@@ -34,7 +34,14 @@ from sglang_carry.verify import tree_env_var
 
 
 def run_one(project: Project, run: CiRun, pytest_options: list[str]) -> int:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "test_env.py"), run.env.name], check=True)
+    built = subprocess.run([sys.executable, str(ROOT / "scripts" / "test_env.py"), run.env.name], check=False)
+    if built.returncode != 0:
+        # test_env.py has printed its one line (what failed, what to do); a traceback here would bury it.
+        print(
+            f"line-tests: {run.label}: not run, its test environment {run.env.name} is not built",
+            file=sys.stderr,
+        )
+        return built.returncode
     env: dict[str, str] = {}
     worktrees: list[tuple[Git, Path]] = []
     try:

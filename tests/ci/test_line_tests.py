@@ -1,0 +1,53 @@
+"""ci/line_tests.py: what it says when a line's test environment cannot be built."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("carry_line_tests", ROOT / "ci" / "line_tests.py")
+assert _spec is not None and _spec.loader is not None
+line_tests = importlib.util.module_from_spec(_spec)
+sys.modules["carry_line_tests"] = line_tests
+_spec.loader.exec_module(line_tests)
+
+
+def test_an_environment_that_cannot_be_built_is_one_line_and_no_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    commands: list[list[str]] = []
+
+    def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        assert command[1].endswith("test_env.py"), f"ran {command} after its environment failed to build"
+        # test_env.py fails as pip does on a full disk.
+        if kwargs.get("check"):
+            raise subprocess.CalledProcessError(1, command)
+        return subprocess.CompletedProcess(command, 1)
+
+    @contextlib.contextmanager
+    def checkouts_untouched(project: object, names: object) -> Iterator[list[str]]:
+        yield []
+
+    monkeypatch.setattr(line_tests.subprocess, "run", run)
+    monkeypatch.setattr(line_tests, "found_branch_restored", checkouts_untouched)
+    runs = line_tests.ci_runs(line_tests.Project(ROOT), line_tests.EVERY)
+    monkeypatch.setattr(line_tests, "ci_runs", lambda project, schedule: runs)
+    monkeypatch.setattr(sys, "argv", ["line_tests.py", "-q"])
+
+    assert line_tests.main() == 1
+
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines() == [
+        f"line-tests: {runs[0].label}: not run, its test environment {runs[0].env.name} is not built"
+    ]
+    assert commands == [[sys.executable, str(ROOT / "scripts" / "test_env.py"), runs[0].env.name]]
