@@ -12,10 +12,10 @@ from the build's result, and the one for this interpreter is the one the e2e ins
 against its tree), and for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a real server on CPU,
 one rank and two) and, where a CUDA device is present, gpu-tests (tests/gpu with
 CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs ruff, zizmor, actionlint,
-mypy and the tool's tests once (./scripts/test tests/tool). Then the canary asks the index
-`carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for the newest sglang release and, when it is
-newer than the newest sglang line, runs `carry rebase --check NEWEST sglang`, which names the
-first patch that stops applying.
+mypy and the tool's tests once (CARRY_TEST_LINES=0 CARRY_TEST_E2E=0 ./scripts/test). Then the
+canary asks the index `carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for the newest sglang
+release and, when it is newer than the newest sglang line, runs `carry rebase --check NEWEST
+sglang`, which names the first patch that stops applying.
 Each line's CPU tests run in its own test environment (ci/test-envs.toml), built first where it is
 missing.
 
@@ -278,12 +278,13 @@ class Nightly:
             self.cuda = "--canary-only"
         else:
             self.cuda = self.detect_cuda()
-            # The end-to-end test runs per line (e2e-cpu), not once more here.
+            # The upstream tests and the end-to-end test run per line (cpu-tests, e2e-cpu), not
+            # once more here.
             self._step(
                 "project",
                 "cpu-tests",
-                [str(self.root / "scripts" / "test"), "-q", "tests/tool"],
-                env={"CARRY_TEST_E2E": "0"},
+                [str(self.root / "scripts" / "test"), "-q"],
+                env={"CARRY_TEST_LINES": "0", "CARRY_TEST_E2E": "0"},
             )
             for line in run_here:
                 self.run_line(line, carry)

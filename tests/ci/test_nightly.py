@@ -188,9 +188,13 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     assert all(argv[1].endswith("ci/e2e/run_e2e.py") and argv[2:4] == ["--device", "cpu"] for argv in e2e_cpu)
     # Every run the line has, also those ./scripts/test's default run leaves out (gdn-*).
     assert all(argv[argv.index("--runs") + 1] == "all" for argv in e2e_cpu)
-    # ... and not once more inside the project row's ./scripts/test.
-    [project_env] = [env for argv, env in project.calls if Path(argv[0]).name == "test"]
-    assert project_env == {"CARRY_TEST_E2E": "0"}
+    # ... and neither they nor the upstream tests once more inside the project row's ./scripts/test,
+    # which names no test folder (its pytest options also reach every line's run).
+    [(project_argv, project_env)] = [
+        (argv, env) for argv, env in project.calls if Path(argv[0]).name == "test"
+    ]
+    assert project_argv[1:] == ["-q"]
+    assert project_env == {"CARRY_TEST_LINES": "0", "CARRY_TEST_E2E": "0"}
     # Each line's upstream tests run the two-rank simulation over the nightly's seeds.
     upstream_tests = [env for argv, env in project.calls if "tests/upstream/sglang" in argv]
     assert upstream_tests == [{"CARRY_SIM_SEEDS": "0-1999"}] * 2
