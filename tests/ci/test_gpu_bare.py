@@ -3,20 +3,17 @@ the scripts it ships are where the README says, executable and valid shell."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BARE = ROOT / "ci" / "gpu-bare"
-_spec = importlib.util.spec_from_file_location("carry_gpu_bare_prepare", BARE / "prepare.py")
-assert _spec is not None and _spec.loader is not None
-prepare = importlib.util.module_from_spec(_spec)
-sys.modules["carry_gpu_bare_prepare"] = prepare
-_spec.loader.exec_module(prepare)
+prepare = load_script("carry_gpu_bare_prepare", BARE / "prepare.py")
 
 
 def test_pack_takes_wheels_in_order_while_they_fit(tmp_path: Path) -> None:

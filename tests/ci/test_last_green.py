@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("carry_last_green", ROOT / "ci" / "last_green.py")
-assert _spec is not None and _spec.loader is not None
-last_green = importlib.util.module_from_spec(_spec)
-sys.modules["carry_last_green"] = last_green
-_spec.loader.exec_module(last_green)
+last_green = load_script("carry_last_green", ROOT / "ci" / "last_green.py")
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 ENV = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,13 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("carry_line_tests", ROOT / "ci" / "line_tests.py")
-assert _spec is not None and _spec.loader is not None
-line_tests = importlib.util.module_from_spec(_spec)
-sys.modules["carry_line_tests"] = line_tests
-_spec.loader.exec_module(line_tests)
+line_tests = load_script("carry_line_tests", ROOT / "ci" / "line_tests.py")
 
 
 def test_an_environment_that_cannot_be_built_is_one_line_and_no_run(

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from script_module import load_script
 
 from sglang_carry.build import BuildResult, BuiltArtifact
 from sglang_carry.errors import CarryError
@@ -20,11 +19,7 @@ from sglang_carry.runner import Completed
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_SCHEMA = ROOT / "ci" / "schemas" / "nightly-summary.schema.json"
-_spec = importlib.util.spec_from_file_location("carry_nightly", ROOT / "ci" / "nightly.py")
-assert _spec is not None and _spec.loader is not None
-nightly = importlib.util.module_from_spec(_spec)
-sys.modules["carry_nightly"] = nightly
-_spec.loader.exec_module(nightly)
+nightly = load_script("carry_nightly", ROOT / "ci" / "nightly.py")
 
 CP311 = "cp311-cp311-manylinux_2_34_x86_64.whl"
 STATUS = {
