@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +87,9 @@ class Server:
             process = subprocess.Popen(
                 list(command), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        return cls(process, log, f"http://{HOST}:{port}")
+        server = cls(process, log, f"http://{HOST}:{port}")
+        _RUNNING[process.pid] = server
+        return server
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -115,10 +117,47 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=grace_s)
+        self.kill()
+        self.process.wait(timeout=grace_s)
+        _RUNNING.pop(self.process.pid, None)
+
+    def kill(self) -> None:
         # The scheduler and detokenizer processes are in the same group: none may outlive it.
         with _no_such_process():
             os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=grace_s)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the driver was, so that every ``finally`` on the way out runs."""
+
+
+# The servers started and not stopped yet, by the PID of their process group.
+_RUNNING: dict[int, Server] = {}
+
+
+@contextlib.contextmanager
+def servers_killed_on_interrupt() -> Iterator[None]:
+    """Ctrl-C (SIGINT) or SIGTERM (a CI job cancelled or timed out) kills every server still
+    running, then unwinds the driver (KeyboardInterrupt, Terminated) so each run's ``finally``
+    runs. A server is in a session of its own, out of reach of the terminal's Ctrl-C, and Python's
+    default for SIGTERM ends the driver without any ``finally``: the server, its scheduler and its
+    detokenizer would live on, holding both cores and their ports under the next job. Killed
+    first, a server fails its requests in flight at once, instead of holding the way out for their
+    timeout."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        for server in list(_RUNNING.values()):
+            server.kill()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class _no_such_process:
