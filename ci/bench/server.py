@@ -75,9 +75,12 @@ from e2e_harness.server import (  # noqa: E402
     HOST,
     ROOT,
     Server,
+    Terminated,
     cpu_env,
     free_port,
+    interrupted_exit,
     server_command,
+    servers_killed_on_interrupt,
 )
 from e2e_harness.traffic import MAX_NEW_TOKENS, Request, plan_natural_traffic  # noqa: E402
 from e2e_harness.verdicts import read_counters  # noqa: E402
@@ -552,63 +555,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Under the in-run judgement, the wall-clock targets missed: printed, not failures.
     wall_clock_misses: list[str] = []
     try:
-        for name, tp, rank_local, wheels, label in CASES:
-            if name not in chosen:
-                continue
-            first, second = wheels
-            case_sites = {first: sites[first], SECOND[second]: sites[second]}
-            pass_requests = ONE_RANK_PASS_REQUESTS if tp == 1 else PASS_REQUESTS
-            case = Case(
-                name, tp, rank_local, SIDE_BY_SIDE_FLAGS, (), OUTPUT_TOKENS, CONCURRENCY, pass_requests
-            )
-            runs = side_by_side(case, args.pairs, case_sites, line.python, pythonpath, model, out, env)
-            totals = {server: summary(pooled(served)) for server, served in runs.items()}
-            ratios = {key: totals[SECOND[second]][key] / totals[first][key] for key in TIMED}
-            pairs = pair_throughput_ratios(runs)
-            report["cases"][case.name] = {
-                "pooled": totals,
-                "ratios": ratios,
-                "pair_throughput_ratios": pairs,
-                "passes": {tree: [summary(s) for s in served] for tree, served in runs.items()},
-            }
-            lines += [f"{case.name} ({label}): {args.pairs} passes per wheel, alternating, pooled"]
-            lines += table_lines(totals, ratios)
-            lines += [f"  {'pair throughput ratios':<22} " + " ".join(f"{r:.3f}" for r in pairs)]
-            series_misses, noise_misses = misses_by_kind(case.name, wheels, ratios)
-            noise += noise_misses
-            if "patched" in runs:
-                in_run = over_in_run_target(case.name, rank_local, runs["patched"])
-                report["cases"][case.name]["agreement_shares"] = agreement_shares(runs["patched"])
-                lines += [share_line(runs["patched"])]
-                failures += in_run if args.judge == "in-run" else series_misses
-                wall_clock_misses += series_misses if args.judge == "in-run" else []
-        if "natural" in chosen:
-            pool_flags = {
-                "no miss": natural_flags(NATURAL_ROOMY_POOL_TOKENS),
-                "natural miss": natural_flags(NATURAL_POOL_TOKENS),
-            }
-            recovered: dict[str, list[Served]] = {name: [] for name in pool_flags}
-            for _ in range(args.repeats):
-                for name, flags in pool_flags.items():
-                    case = Case(
-                        f"natural-{name.replace(' ', '-')}",
-                        1,
-                        False,
-                        flags,
-                        natural,
-                        MAX_NEW_TOKENS,
-                        len(natural),
-                    )
-                    where = (sites["patched"], line.python, pythonpath, model, out, env)
-                    recovered[name].append(run_server(case, "patched", *where))
-            medians = {name: median_of(served) for name, served in recovered.items()}
-            ratios = {key: medians["natural miss"][key] / medians["no miss"][key] for key in TIMED}
-            report["cases"]["natural"] = {"medians": medians, "ratios": ratios}
-            lines += ["natural traffic on the patched wheel: a pool that misses / one that does not"]
-            lines += table_lines(medians, ratios)
+        with servers_killed_on_interrupt():
+            for name, tp, rank_local, wheels, label in CASES:
+                if name not in chosen:
+                    continue
+                first, second = wheels
+                case_sites = {first: sites[first], SECOND[second]: sites[second]}
+                pass_requests = ONE_RANK_PASS_REQUESTS if tp == 1 else PASS_REQUESTS
+                case = Case(
+                    name, tp, rank_local, SIDE_BY_SIDE_FLAGS, (), OUTPUT_TOKENS, CONCURRENCY, pass_requests
+                )
+                runs = side_by_side(case, args.pairs, case_sites, line.python, pythonpath, model, out, env)
+                totals = {server: summary(pooled(served)) for server, served in runs.items()}
+                ratios = {key: totals[SECOND[second]][key] / totals[first][key] for key in TIMED}
+                pairs = pair_throughput_ratios(runs)
+                report["cases"][case.name] = {
+                    "pooled": totals,
+                    "ratios": ratios,
+                    "pair_throughput_ratios": pairs,
+                    "passes": {tree: [summary(s) for s in served] for tree, served in runs.items()},
+                }
+                lines += [f"{case.name} ({label}): {args.pairs} passes per wheel, alternating, pooled"]
+                lines += table_lines(totals, ratios)
+                lines += [f"  {'pair throughput ratios':<22} " + " ".join(f"{r:.3f}" for r in pairs)]
+                series_misses, noise_misses = misses_by_kind(case.name, wheels, ratios)
+                noise += noise_misses
+                if "patched" in runs:
+                    in_run = over_in_run_target(case.name, rank_local, runs["patched"])
+                    report["cases"][case.name]["agreement_shares"] = agreement_shares(runs["patched"])
+                    lines += [share_line(runs["patched"])]
+                    failures += in_run if args.judge == "in-run" else series_misses
+                    wall_clock_misses += series_misses if args.judge == "in-run" else []
+            if "natural" in chosen:
+                pool_flags = {
+                    "no miss": natural_flags(NATURAL_ROOMY_POOL_TOKENS),
+                    "natural miss": natural_flags(NATURAL_POOL_TOKENS),
+                }
+                recovered: dict[str, list[Served]] = {name: [] for name in pool_flags}
+                for _ in range(args.repeats):
+                    for name, flags in pool_flags.items():
+                        case = Case(
+                            f"natural-{name.replace(' ', '-')}",
+                            1,
+                            False,
+                            flags,
+                            natural,
+                            MAX_NEW_TOKENS,
+                            len(natural),
+                        )
+                        where = (sites["patched"], line.python, pythonpath, model, out, env)
+                        recovered[name].append(run_server(case, "patched", *where))
+                medians = {name: median_of(served) for name, served in recovered.items()}
+                ratios = {key: medians["natural miss"][key] / medians["no miss"][key] for key in TIMED}
+                report["cases"]["natural"] = {"medians": medians, "ratios": ratios}
+                lines += ["natural traffic on the patched wheel: a pool that misses / one that does not"]
+                lines += table_lines(medians, ratios)
     except RuntimeError as error:
         print(f"bench: error: {error}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Terminated) as stop:
+        signal_name, status = interrupted_exit(stop)
+        print(
+            f"bench: error: stopped by {signal_name}; its servers were killed, no report was written",
+            file=sys.stderr,
+        )
+        return status
     report["failures"] = failures
     report["noise"] = noise
     report["wall_clock_misses"] = wall_clock_misses

@@ -74,7 +74,7 @@ from e2e_harness.models import write_models
 from e2e_harness.plan import PlanError, plan_cpu, plan_gpu
 from e2e_harness.report import publish
 from e2e_harness.runner import RUN_TIMEOUT_S, run_plans
-from e2e_harness.server import Terminated, servers_killed_on_interrupt
+from e2e_harness.server import Terminated, interrupted_exit, servers_killed_on_interrupt
 from e2e_harness.traffic import REQUEST_TIMEOUT_S
 
 
@@ -122,13 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 request_timeout_s=args.request_timeout_s,
             )
     except (KeyboardInterrupt, Terminated) as stop:
-        signal_name = "SIGTERM" if isinstance(stop, Terminated) else "SIGINT"
+        signal_name, status = interrupted_exit(stop)
         print(
             f"e2e: error: stopped by {signal_name}; its servers were killed, no report was written "
             f"(the runs' logs are in {out}): run it again",
             file=sys.stderr,
         )
-        return 143 if isinstance(stop, Terminated) else 130
+        return status
     publish(out, {"device": args.device, **prepared.report}, runs)
     return 0 if runs and all(r.ok for r in runs) else 1
 

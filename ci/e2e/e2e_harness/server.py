@@ -131,6 +131,11 @@ class Terminated(BaseException):
     """SIGTERM, raised where the driver was, so that every ``finally`` on the way out runs."""
 
 
+def interrupted_exit(stop: BaseException) -> tuple[str, int]:
+    """The signal that stopped a driver and the status a shell gives a command that signal ended."""
+    return ("SIGTERM", 143) if isinstance(stop, Terminated) else ("SIGINT", 130)
+
+
 # The servers started and not stopped yet, by the PID of their process group.
 _RUNNING: dict[int, Server] = {}
 
