@@ -78,3 +78,21 @@ def test_the_schedulers_agreement_hands_each_pool_the_voted_deficit(
     assert all(getattr(pool, "_agreed_deficit", 0) is None for pool in read)
     agreement.resume()
     assert [getattr(pool, "_agreed_deficit", None) for pool in read] == list(deficits)
+
+
+def test_the_slot_allocator_reads_a_pool_without_the_agreed_interface_by_its_available_size(
+    elastic: types.ModuleType,
+) -> None:
+    """kvcached's own suite (tests/test_sglang_mamba_slot_allocator.py) stands a pool of
+    available_size, alloc, free and clear in for the ElasticMambaPool: the slot allocator reads
+    that pool's available_size() as its real free slots, as before the entry (it read a
+    real_available_size() the stand-in lacks, and five of kvcached's own tests failed)."""
+    _, req_to_token_pool, _ = _pools(elastic, 1)
+
+    class SlotsOnlyPool:
+        def available_size(self) -> int:
+            return 5
+
+    slots = type(req_to_token_pool.mamba_allocator)(8, "cpu", SlotsOnlyPool())
+    assert slots.real_available_size() == 5
+    assert slots.available_size() == 5  # no deficit handed: as it is
