@@ -1,7 +1,7 @@
 """Run kvcached's own test suite (shipped in its sdist) on pristine and patched kvcached, on CPU,
 and compare the failure sets: the patched run must add no failure.
 
-    .venv-test/bin/python ci/kvcached_suite.py [--version 0.1.6]
+    .venv-test/bin/python ci/kvcached_suite.py [--version VERSION]   (default: kvcached's default line)
 
 Some of the suite needs a GPU, kvcached's compiled extension or vllm, so both runs fail the same
 tests on CPU; what matters is the difference. Exit 1 when the patched tree fails a test the
@@ -17,15 +17,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_carry.errors import CarryError
 from sglang_carry.git import Git
+from sglang_carry.project import Project, Target, select_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKOUT = ROOT / "upstream" / "kvcached"
 OUTCOME = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
-def worktree(name: str, ref: str) -> Path:
-    return Git(CHECKOUT).fresh_worktree(ROOT / "build" / "kvcached-suite" / name, ref)
+def worktree(name: str, line: Target, ref: str) -> Path:
+    git = Git(CHECKOUT)
+    if not git.exists() or git.rev(ref) is None:
+        versioned = f"kvcached --upstream {line.version}"
+        raise CarryError(
+            f"{ref} is not in {CHECKOUT}: lay the line down first "
+            f"(./scripts/carry fetch {versioned} && ./scripts/carry apply {versioned})"
+        )
+    return git.fresh_worktree(ROOT / "build" / "kvcached-suite" / name, ref)
 
 
 def failures(tree: Path) -> tuple[set[str], str]:
@@ -55,13 +64,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", default="0.1.6")
+    parser.add_argument(
+        "--version", help="the kvcached line (default: the default line, as `carry` picks it)"
+    )
     args = parser.parse_args()
     runs = {}
-    for name, ref in (("pristine", f"upstream/{args.version}"), ("patched", f"carry/{args.version}")):
-        print(f"kvcached-suite: running kvcached's tests on {name} ({ref})", flush=True)
-        runs[name] = failures(worktree(name, ref))
-        print(f"kvcached-suite: {name}: {runs[name][1]} ({len(runs[name][0])} failing ids)", flush=True)
+    try:
+        (line,) = select_targets(Project(ROOT), ["kvcached"], args.version)
+        for name, ref in (("pristine", line.upstream_tag), ("patched", line.branch)):
+            print(f"kvcached-suite: running kvcached's tests on {name} ({ref})", flush=True)
+            runs[name] = failures(worktree(name, line, ref))
+            print(f"kvcached-suite: {name}: {runs[name][1]} ({len(runs[name][0])} failing ids)", flush=True)
+    except CarryError as error:
+        print(f"kvcached-suite: error: {error}", file=sys.stderr)
+        return 1
     added = sorted(runs["patched"][0] - runs["pristine"][0])
     fixed = sorted(runs["pristine"][0] - runs["patched"][0])
     print(f"kvcached-suite: failures added by the patches: {len(added)}; removed: {len(fixed)}")
