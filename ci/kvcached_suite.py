@@ -19,21 +19,15 @@ from pathlib import Path
 
 from sglang_carry.errors import CarryError
 from sglang_carry.git import Git
-from sglang_carry.project import Project, Target, select_targets
+from sglang_carry.line_state import require_line_ready
+from sglang_carry.project import Project, select_targets
+from sglang_carry.runner import run_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKOUT = ROOT / "upstream" / "kvcached"
 OUTCOME = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
-def worktree(name: str, line: Target, ref: str) -> Path:
-    git = Git(CHECKOUT)
-    if not git.exists() or git.rev(ref) is None:
-        versioned = f"kvcached --upstream {line.version}"
-        raise CarryError(
-            f"{ref} is not in {CHECKOUT}: lay the line down first "
-            f"(./scripts/carry fetch {versioned} && ./scripts/carry apply {versioned})"
-        )
+def worktree(git: Git, name: str, ref: str) -> Path:
     return git.fresh_worktree(ROOT / "build" / "kvcached-suite" / name, ref)
 
 
@@ -70,10 +64,15 @@ def main() -> int:
     args = parser.parse_args()
     runs = {}
     try:
-        (line,) = select_targets(Project(ROOT), ["kvcached"], args.version)
+        project = Project(ROOT)
+        (line,) = select_targets(project, ["kvcached"], args.version)
+        # "patched" means patches/: a branch that differs (a pull not applied yet) is refused, as
+        # `carry build` refuses it.
+        series = project.series(line.release)
+        git = require_line_ready(project, line, series, run_subprocess, "ci/kvcached_suite.py")
         for name, ref in (("pristine", line.upstream_tag), ("patched", line.branch)):
             print(f"kvcached-suite: running kvcached's tests on {name} ({ref})", flush=True)
-            runs[name] = failures(worktree(name, line, ref))
+            runs[name] = failures(worktree(git, name, ref))
             print(f"kvcached-suite: {name}: {runs[name][1]} ({len(runs[name][0])} failing ids)", flush=True)
     except CarryError as error:
         print(f"kvcached-suite: error: {error}", file=sys.stderr)

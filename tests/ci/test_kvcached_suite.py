@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,13 +31,15 @@ def test_an_unpinned_version_is_one_line(
     ]
 
 
-def test_a_line_not_laid_down_names_the_commands_that_lay_it(
+def test_a_line_not_laid_down_is_one_line_naming_the_command_that_lays_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(suite, "CHECKOUT", tmp_path / "kvcached")  # no checkout: never fetched
+    # A clone that never fetched: this project's pins and series, no checkout.
+    (tmp_path / "upstream").mkdir()
+    shutil.copy2(ROOT / "upstream" / "kvcached.toml", tmp_path / "upstream" / "kvcached.toml")
+    shutil.copytree(ROOT / "patches" / "kvcached", tmp_path / "patches" / "kvcached")
+    monkeypatch.setattr(suite, "ROOT", tmp_path)
     assert _main(monkeypatch) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert err == [
-        f"kvcached-suite: error: upstream/0.1.6 is not in {tmp_path / 'kvcached'}: lay the line down first "
-        "(./scripts/carry fetch kvcached --upstream 0.1.6 && ./scripts/carry apply kvcached --upstream 0.1.6)"
+    assert capsys.readouterr().err.splitlines() == [
+        "kvcached-suite: error: no checkout of kvcached 0.1.6 in upstream/kvcached: run `carry fetch` first"
     ]
