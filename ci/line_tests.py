@@ -29,8 +29,7 @@ from sglang_carry.git import Git
 from sglang_carry.patching import apply
 from sglang_carry.project import Project
 from sglang_carry.testenv import EVERY, NIGHTLY, CiRun, ci_runs
-from sglang_carry.trees import found_branch_restored
-from sglang_carry.verify import tree_env_var
+from sglang_carry.trees import found_branch_restored, tree_env_var
 
 
 def run_one(project: Project, run: CiRun, pytest_options: list[str]) -> int:

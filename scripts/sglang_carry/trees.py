@@ -15,6 +15,7 @@ another line than it found.
 from __future__ import annotations
 
 import fcntl
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from .errors import CarryError
 from .git import Git
+from .line_state import DIFFERS, MATCHES, MISSING, branch_state
 from .project import Project, Target, default_target
 from .runner import Runner, run_subprocess
 
@@ -30,6 +32,11 @@ DEFAULT_TREES = "default-trees"
 # Laying down a worktree of sglang takes seconds; a holder of this much longer is stuck.
 LOCK_TIMEOUT_S = 600.0
 LOCK_POLL_S = 0.1
+
+
+def tree_env_var(name: str) -> str:
+    """Tests find the upstream tree to import through this variable (see tests/upstream/conftest.py)."""
+    return f"CARRY_TREE_{name.upper()}"
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,49 @@ def default_tree(
         if not (worktree.exists() and worktree.rev("HEAD") == tip and not worktree.dirty_paths()):
             git.fresh_worktree(folder, tip)
     return DefaultTree(target, _inside(folder, subdir), is_checkout=False)
+
+
+def require_imported_trees_ready(
+    project: Project, tested: Target, command: str, runner: Runner = run_subprocess
+) -> None:
+    """The tests of any line import every pinned package: the tested line's from the tree under
+    test, each other one from its default tree (``default_tree``), unless CARRY_TREE_<NAME> names
+    a tree. A verdict is only about the tested line's patches if those other trees are what
+    patches/ says: a pulled series not applied yet made an sglang entry read "fail fail WRONG"
+    for a test that needed the newer kvcached series. So each must be laid down, reproduce its
+    series and, where the checkout itself is imported, hold no uncommitted edit."""
+    for name, upstream in sorted(project.pins().items()):
+        if name == tested.name or os.environ.get(tree_env_var(name)):
+            continue
+        target = default_target(project, upstream)
+        series = project.series(target.release, runner)
+        git = Git(project.checkout(name), runner)
+        imported = f"the tests of {tested.label} import {name}'s {target.branch}"
+        again = f"then run `{command}` again"
+        state = MISSING
+        if git.exists() and git.rev(target.upstream_tag) is not None:
+            state = branch_state(git, target, series, project.scratch_dir)
+        if state is MISSING:
+            raise CarryError(
+                f"{imported}, which is not laid down in upstream/{name}: run "
+                f"`carry fetch {name} && carry apply {name}`, {again}"
+            )
+        if state is not MATCHES:
+            differs = (
+                f"differs from {series.label}"
+                if state is DIFFERS
+                else f"does not descend from {target.upstream_tag}"
+            )
+            raise CarryError(
+                f"{imported}, which {differs}: run `carry apply {name}` (or `carry export {name}` to keep "
+                f"the branch), {again}"
+            )
+        dirty = git.dirty_paths() if git.current_branch() == target.branch else []
+        if dirty:
+            raise CarryError(
+                f"{imported} from upstream/{name} itself, which has uncommitted changes ({dirty[0]}): "
+                f"commit or stash them, {again}"
+            )
 
 
 @contextmanager

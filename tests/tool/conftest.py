@@ -17,6 +17,7 @@ import pytest
 
 from sglang_carry.cli import main
 from sglang_carry.fetch import fetch
+from sglang_carry.patching import apply
 from sglang_carry.project import Project, Target, select_targets
 from sglang_carry.runner import Completed, run_subprocess
 
@@ -174,6 +175,12 @@ class DemoProject:
 
     def fetch(self, name: str = "demo", version: str | None = None) -> None:
         assert fetch(self.project, [self.target(name, version)], self.pip).exit_code == 0
+
+    def lay_down(self, name: str) -> None:
+        """``name`` fetched and its carry branch built from patches/: another package whose tree
+        the tests of a line import (tests/upstream/conftest.py), as `carry verify` requires."""
+        self.fetch(name)
+        apply(self.project, self.target(name))
 
     def commit_change(self, path: str, content: str, message: str, repo: Path | None = None) -> None:
         repo = repo or self.checkout

@@ -212,6 +212,7 @@ def test_every_command_prints_its_result_as_json(
         return json.loads(out), err
 
     write_tests(demo)
+    demo.lay_down("tiny")  # the tests of demo import it (verify, below)
     demo.fetch()  # offline, with the fake pip; the CLI's fetch below finds it cached
     fetched, err = as_json("fetch", "demo")
     assert fetched["checkouts"] == [

@@ -149,6 +149,7 @@ class Rebasing:
         self.demo = demo
         self.tests = FakeTests(demo)
         self.index = FakeIndex()
+        demo.lay_down("tiny")
         demo.pin_release("1.1", OLD_FILES)
         demo.fetch(version="1.1")
         demo.commit_change(CORE, core(FIX_ANSWER), message("Fix the answer", "tests/test_answer.py"))
@@ -338,6 +339,14 @@ def test_conflict_then_continue_after_the_user_committed(demo: DemoProject) -> N
     (demo.checkout / CORE).write_text(core(("return 41", "return 42")))
     git(demo.checkout, "add", CORE)
     assert git(demo.checkout, "am", "--continue").returncode == 0
+    # Meanwhile tiny's branch moved: --continue (which goes on to verify) is refused, the stop kept.
+    tiny = demo.root / "upstream" / "tiny"
+    demo.commit_change("tiny/__init__.py", "X = 3\n", "work not exported", repo=tiny)
+    with pytest.raises(
+        CarryError, match=r"import tiny's carry/0.3, which differs.*`carry rebase --continue` again"
+    ):
+        rebasing.resume()
+    git(tiny, "reset", "-q", "--hard", "upstream/0.3")
     assert rebasing.resume() == 0
     assert rebasing.new_entries()[0] == ("Pending", True)
 
@@ -495,6 +504,25 @@ def test_an_index_url_that_is_not_a_url() -> None:
     with pytest.raises(CarryError, match=r"--index-url 'not a url' is not an index URL: give an https://"):
         index_url("not a url")
     assert index_url("file:///srv/index/") == "file:///srv/index"
+
+
+def test_refused_while_a_package_the_tests_import_differs_from_patches(demo: DemoProject) -> None:
+    """Both forms, before anything is pinned or replayed: every step that runs tests imports tiny."""
+    rebasing = Rebasing(demo, OLD_CORE)
+    demo.commit_change(
+        "tiny/__init__.py", "X = 3\n", "work not exported", repo=demo.root / "upstream" / "tiny"
+    )
+    before = fingerprint(demo)
+    differs = (
+        r"the tests of demo 1.1 import tiny's carry/0.3, which differs from patches/tiny/0.3: "
+        r"run `carry apply tiny`"
+    )
+    with pytest.raises(CarryError, match=differs + r".*`carry rebase 1.2 demo --upstream 1.1` again"):
+        rebasing.run()
+    with pytest.raises(CarryError, match=differs + r".*`carry rebase --check 1.2 demo --upstream 1.1` again"):
+        rebasing.run(check=True)
+    assert fingerprint(demo) == before
+    assert rebasing.index.urls == []
 
 
 def test_failure_after_the_pin_undoes_everything(demo: DemoProject) -> None:

@@ -90,6 +90,7 @@ def test_verify_without_python_refuses_a_line_whose_environment_is_not_built(
     demo: DemoProject, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with_envs(demo)
+    demo.lay_down("tiny")
     demo.fetch()
     series_for(demo, "1.0")
     with pytest.raises(CarryError, match=r"\(old-torch, \.venv-test\) is not built"):

@@ -6,16 +6,19 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import multiprocessing.synchronize
+import sys
 from pathlib import Path
 
 import pytest
 
 from sglang_carry.errors import CarryError
-from sglang_carry.patching import apply
+from sglang_carry.patching import apply, export
 from sglang_carry.trees import default_tree, found_branch_restored, run_with_checkouts_restored
+from sglang_carry.verify import verify
 
-from .conftest import DemoProject, git
+from .conftest import DemoProject, git, patch_message
 from .test_lines import carry_fix_and_pin_a_new_release
+from .test_verify import write_tests
 
 
 def two_lines(demo: DemoProject) -> None:
@@ -143,3 +146,68 @@ def test_the_test_commands_set_up_puts_a_checkout_it_switched_back(demo: DemoPro
     init = ["bash", "-c", f"git init -q -b carry/0.3 {made} && git -C {made} commit -q --allow-empty -m made"]
     assert run_with_checkouts_restored(demo.project, init) == (0, [])
     assert git(made, "symbolic-ref", "--short", "HEAD").stdout.strip() == "carry/0.3"
+
+
+def stale_tiny(demo: DemoProject) -> Path:
+    """tiny's series gains an entry that its checkout's branch lacks: patches/ pulled, not applied
+    (how a clone stood when `carry rebase --check` read an sglang entry "fail fail WRONG")."""
+    demo.lay_down("tiny")
+    tiny = demo.root / "upstream" / "tiny"
+    demo.commit_change(
+        "tiny/__init__.py", "X = 2\n", patch_message("Fix tiny", tests="tests/t.py"), repo=tiny
+    )
+    assert export(demo.project, demo.target("tiny")).exit_code == 0
+    git(tiny, "reset", "-q", "--hard", "upstream/0.3")
+    return tiny
+
+
+def demo_with_a_fix(demo: DemoProject) -> None:
+    write_tests(demo)
+    demo.fetch()
+    fix = patch_message("Fix", tests="tests/test_answer.py")
+    demo.commit_change("python/demo/core.py", "def answer():\n    return 42\n", fix)
+    assert export(demo.project, demo.target()).exit_code == 0
+
+
+def test_verify_refuses_while_a_package_its_tests_import_differs_from_patches(
+    demo: DemoProject, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stale_tiny(demo)
+    demo_with_a_fix(demo)
+    capsys.readouterr()
+    assert demo.carry("verify", "demo", "--python", sys.executable) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "carry verify: error: the tests of demo 1.0 import tiny's carry/0.3, which differs from "
+        "patches/tiny/0.3: run `carry apply tiny` (or `carry export tiny` to keep the branch), "
+        "then run `carry verify` again"
+    ]
+    assert demo.carry("apply", "tiny") == 0
+    assert demo.carry("verify", "demo", "--python", sys.executable) == 0
+
+
+def test_verify_refuses_while_a_package_its_tests_import_is_not_laid_down(demo: DemoProject) -> None:
+    demo_with_a_fix(demo)
+    expected = (
+        r"import tiny's carry/0.3, which is not laid down in upstream/tiny: "
+        r"run `carry fetch tiny && carry apply tiny`"
+    )
+    with pytest.raises(CarryError, match=expected):
+        verify(demo.project, [demo.target()], sys.executable, demo.pip)
+
+
+def test_an_uncommitted_edit_in_an_imported_checkout_is_refused_unless_a_tree_is_named(
+    demo: DemoProject, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    demo.lay_down("tiny")
+    tiny = demo.root / "upstream" / "tiny"
+    (tiny / "tiny" / "__init__.py").write_text("X = 'edited'\n")
+    demo_with_a_fix(demo)
+    expected = (
+        r"import tiny's carry/0.3 from upstream/tiny itself, which has uncommitted changes "
+        r"\(tiny/__init__.py\)"
+    )
+    with pytest.raises(CarryError, match=expected):
+        verify(demo.project, [demo.target()], sys.executable, demo.pip)
+    # A tree named by the user is imported as it is: nothing to check.
+    monkeypatch.setenv("CARRY_TREE_TINY", str(tmp_path))
+    assert verify(demo.project, [demo.target()], sys.executable, demo.pip).exit_code == 0

@@ -66,6 +66,7 @@ def test_verdicts(demo: DemoProject) -> None:
 
 def test_verify_exits_non_zero_and_prints_the_table(demo: DemoProject) -> None:
     write_tests(demo)
+    demo.lay_down("tiny")
     demo.fetch()
     demo.commit_change("python/demo/x.py", "X = 1\n", patch_message("Unproven", tests="tests/test_value.py"))
     export(demo.project, demo.target())

@@ -16,8 +16,7 @@ import pytest
 
 from sglang_carry.errors import CarryError
 from sglang_carry.project import Project
-from sglang_carry.trees import default_tree
-from sglang_carry.verify import tree_env_var
+from sglang_carry.trees import default_tree, tree_env_var
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = Project(ROOT)

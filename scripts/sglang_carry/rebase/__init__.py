@@ -23,6 +23,7 @@ from ..project import Project, Target, default_target
 from ..registry import Fetcher, append_release, fetch_url, index_files, index_url, newest_version
 from ..runner import Runner, run_subprocess
 from ..testenv import test_python
+from ..trees import require_imported_trees_ready
 from ..verify import NONE
 from . import check as check_in_scratch
 from .journal import (
@@ -118,6 +119,9 @@ def rebase(
                 f"no checkout of {old.label} in upstream/{upstream.name}: "
                 f"run `carry fetch {upstream.name} --upstream {old.version}` first"
             )
+        # Before anything is pinned or replayed: every step that runs tests imports the others.
+        again = f"carry rebase --check {request.new} {upstream.name} --upstream {old.version}"
+        require_imported_trees_ready(project, old, again, runner)
         return check_in_scratch.check(project, request, upstream, old, runner, fetch, report)
     for _, state in in_progress(project, runner):
         raise CarryError(
@@ -129,6 +133,7 @@ def rebase(
         require_no_operation(git, old, "carry rebase")
         require_clean(git, old, "carry rebase")
     git = require_line_ready(project, old, series, runner, "carry rebase")
+    require_imported_trees_ready(project, old, command, runner)
     new_branch = f"carry/{request.new}"
     if git.rev(new_branch) is not None:
         raise CarryError(
@@ -161,6 +166,7 @@ def rebase_continue(
     path, state, git = the_one_in_progress(project, runner)
     session = Session(project, git, path, state, runner, report)
     target = new_target(state)
+    require_imported_trees_ready(project, target, "carry rebase --continue", runner)
     series = old_series(session)
     if state.stopped_at is not None:
         entry = series.entries[state.next_index]

@@ -15,10 +15,11 @@ from ..project import Project, Target
 from ..runner import Runner, run_subprocess
 from ..tables import text_table
 from ..testenv import test_python
+from ..trees import require_imported_trees_ready
 from .executor import DEFAULT_PARALLEL, TreeTester
 from .plan import ERROR, FAIL, NONE, PASS, TestOutcome, Verdict, combine, entry_sides, id_outcomes, selects
 from .pytest_run import report_log_cases
-from .worktrees import NATIVE_SUFFIXES, tree_env_var
+from .worktrees import NATIVE_SUFFIXES
 
 __all__ = [
     "DEFAULT_PARALLEL",
@@ -37,7 +38,6 @@ __all__ = [
     "render_table",
     "report_log_cases",
     "selects",
-    "tree_env_var",
     "verify",
     "verify_target",
 ]
@@ -123,6 +123,7 @@ def verify(
     for target in targets:
         # A line with nothing to verify says so before its test environment is asked for.
         project.series(target.release, runner).require_something_to_carry()
+        require_imported_trees_ready(project, target, "carry verify", runner)
         interpreter = python or test_python(project, target.release)
         verdicts = verify_target(project, target, interpreter, runner, report)
         rows.extend(VerifyRow(target.label, verdict) for verdict in verdicts)

@@ -14,14 +14,10 @@ from pathlib import Path
 from ..git import Git
 from ..project import Project, Target
 from ..runner import Runner
+from ..trees import tree_env_var
 
 # A tree's torch JIT extensions are rebuilt whenever a file with one of these suffixes differs.
 NATIVE_SUFFIXES = (".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".cu", ".cuh")
-
-
-def tree_env_var(name: str) -> str:
-    """Tests find the upstream tree to import through this variable (see tests/conftest.py)."""
-    return f"CARRY_TREE_{name.upper()}"
 
 
 @dataclass
