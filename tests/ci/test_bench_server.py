@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -15,7 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "bench"))
 import server as bench
+from e2e_harness.server import free_port
 from e2e_harness.traffic import Request
+from interrupted_driver import assert_an_interrupt_kills_its_servers, driver_script
 
 
 def test_percentiles_and_summary() -> None:
@@ -221,3 +224,34 @@ def test_a_server_that_found_its_port_taken_starts_again_on_another(monkeypatch:
         with pytest.raises(RuntimeError, match="never became healthy"):
             bench.start_healthy(case, "patched", Path())
         assert all(server.stopped for server in servers)
+
+
+_BENCH_MAIN = """
+from types import SimpleNamespace
+sys.path.insert(0, {bench!r})
+import server as bench
+line = SimpleNamespace(
+    version="0.0", pristine_wheel=None, patched_wheel=None, python=sys.executable, server_deps=None
+)
+bench.cpu_line.prepare = lambda *args: line
+bench.unpack_wheel = lambda wheel, site: site
+bench.write_models = lambda folder, names: {{"dense": folder}}
+bench.side_by_side = one_run_that_hangs
+sys.exit(bench.main(["--cases", "tp1", "--out", {out!r}]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "name"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")]
+)
+def test_an_interrupted_bench_kills_the_servers_of_the_case_in_progress(
+    tmp_path: Path, signum: int, code: int, name: str
+) -> None:
+    """As the e2e's driver (test_e2e.py): a cancelled job must not leave the bench's servers on
+    both cores under the next one."""
+    port = free_port()
+    main = _BENCH_MAIN.format(bench=str(Path(bench.__file__).parent), out=str(tmp_path))
+    error_line = f"bench: error: stopped by {name}; its servers were killed, no report was written"
+    assert_an_interrupt_kills_its_servers(
+        driver_script(main, tmp_path, port), tmp_path, port, signum, code, error_line
+    )

@@ -6,14 +6,12 @@ classes only: nothing here needs a GPU)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib
 import itertools
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -59,8 +57,7 @@ from e2e_harness.scenarios import (  # noqa: E402
 )
 from e2e_harness.server import CPU_FLAGS, HOOK, Server, free_port, server_command  # noqa: E402
 from e2e_harness.verdicts import COMPARING, Run, judge  # noqa: E402
-
-FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
+from interrupted_driver import FAKE_SERVER, assert_an_interrupt_kills_its_servers, driver_script, gone  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -872,24 +869,12 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
     child = int(pid_file.read_text())
     server.stop(grace_s=5)
     assert not server.alive()
-    assert _gone(child), "the server's child outlived it"
+    assert gone(child), "the server's child outlived it"
 
 
-_INTERRUPTED_DRIVER = """
-import os, sys
+_E2E_MAIN = """
 from types import SimpleNamespace
-sys.path.insert(0, {e2e!r})
 import run_e2e
-from e2e_harness.plan import RunSpec
-from e2e_harness.runner import run_once
-
-def one_run_that_hangs(plans, model_dirs, out, env, **timeouts):
-    command = [sys.executable, {fake!r}, "{port}", "hang", "--child-pid-file", {pid_file!r}]
-    # Request and run timeouts far beyond the test's bound: only the interrupt ends this run.
-    spec = RunSpec("patched", "patched")
-    run_once("dense", spec, command, out, dict(os.environ), [], None, {port}, 60, 600, 600)
-    return []
-
 run_e2e.plan_cpu = lambda *args: SimpleNamespace(plans=[], env={{}}, report={{}})
 run_e2e.run_plans = one_run_that_hangs
 sys.exit(run_e2e.main(["--device", "cpu", "--out", {out!r}]))
@@ -906,63 +891,12 @@ def test_an_interrupted_driver_kills_the_server_of_the_run_in_progress(
     answers: the server and its child are killed and the driver exits at once, in one line. Without
     the handler SIGTERM leaves both running, and SIGINT waits for the request's timeout."""
     port = free_port()
-    pid_file = tmp_path / "child.pid"
-    script = _INTERRUPTED_DRIVER.format(
-        e2e=str(ROOT / "ci" / "e2e"),
-        fake=str(FAKE_SERVER),
-        port=port,
-        pid_file=str(pid_file),
-        out=str(tmp_path),
+    script = driver_script(_E2E_MAIN.format(out=str(tmp_path)), tmp_path, port)
+    error_line = (
+        f"e2e: error: stopped by {name}; its servers were killed, no report was written "
+        f"(the runs' logs are in {tmp_path}): run it again"
     )
-    driver = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
-    server_pids: list[int] = []
-    try:
-        for _ in range(300):
-            if pid_file.exists() and (tmp_path / "dense-patched.log").exists():
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail("the fake server never started")
-        server_pids = [int(pid_file.read_text()), _server_pid(port)]
-        time.sleep(2.0)  # the run's traffic is sent; one request hangs
-        driver.send_signal(signum)
-        _, stderr = driver.communicate(timeout=30)
-        assert driver.returncode == code, stderr
-        assert stderr.splitlines() == [
-            f"e2e: error: stopped by {name}; its servers were killed, no report was written "
-            f"(the runs' logs are in {tmp_path}): run it again"
-        ]
-        for pid in server_pids:
-            assert _gone(pid), f"process {pid} outlived the driver"
-    finally:
-        driver.kill()
-        driver.wait(timeout=10)
-        for pid in server_pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _server_pid(port: int) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if str(FAKE_SERVER).encode() in argv and str(port).encode() in argv:
-                    return int(entry.name)
-    raise AssertionError(f"no fake server on port {port}")
-
-
-def _gone(pid: int, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.1)
-    return False
+    assert_an_interrupt_kills_its_servers(script, tmp_path, port, signum, code, error_line)
 
 
 def test_hook_reaches_the_server_through_pythonpath(tmp_path: Path) -> None:
