@@ -32,6 +32,10 @@ class RankResults(NamedTuple):
 def _rank_main(
     rank: int, ranks: int, store: str, collective_timeout_s: float, body: Callable[[int], Any], results: Any
 ) -> None:
+    # A rank killed (hung, or stuck after its peer failed) runs no cleanup, and a harness's model
+    # folder outlived every such run in the system's temporary folder: a rank's temporary files go
+    # inside the run's own folder, which the parent removes.
+    tempfile.tempdir = str(Path(store).parent)
     try:
         # The parent's OpenMP pool does not survive the fork: a parallel torch op in the child
         # (sglang 0.5.23 zero-fills its KV buffers with one large torch.zeros per layer) would
