@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "e2e"))
+from e2e_harness.server import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 
@@ -51,11 +54,20 @@ def child_pid_file(out: Path) -> Path:
     return out / "child.pid"
 
 
+# Each signal a driver is stopped by, with the status a shell gives a command it ended.
+INTERRUPTS = pytest.mark.parametrize(
+    ("signum", "code", "name"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")]
+)
+
+
 def assert_an_interrupt_kills_its_servers(
-    script: str, out: Path, port: int, signum: int, code: int, error_line: str
+    main: str, out: Path, signum: int, code: int, error_line: str
 ) -> None:
-    """Run ``script``; once its server hangs, send ``signum``: the driver must exit ``code`` at
-    once with ``error_line`` alone on stderr, the server and its child gone."""
+    """Run the driver's ``main`` (see driver_script); once its server hangs, send ``signum``: the
+    driver must exit ``code`` at once with ``error_line`` alone on stderr, the server and its child
+    gone."""
+    port = free_port()
+    script = driver_script(main, out, port)
     driver = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     server_pids: list[int] = []
     try:

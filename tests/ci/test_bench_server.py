@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -16,9 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci" / "bench"))
 import server as bench
-from e2e_harness.server import free_port
 from e2e_harness.traffic import Request
-from interrupted_driver import assert_an_interrupt_kills_its_servers, driver_script
+from interrupted_driver import INTERRUPTS, assert_an_interrupt_kills_its_servers
 
 
 def test_percentiles_and_summary() -> None:
@@ -241,17 +239,12 @@ sys.exit(bench.main(["--cases", "tp1", "--out", {out!r}]))
 """
 
 
-@pytest.mark.parametrize(
-    ("signum", "code", "name"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")]
-)
+@INTERRUPTS
 def test_an_interrupted_bench_kills_the_servers_of_the_case_in_progress(
     tmp_path: Path, signum: int, code: int, name: str
 ) -> None:
     """As the e2e's driver (test_e2e.py): a cancelled job must not leave the bench's servers on
     both cores under the next one."""
-    port = free_port()
     main = _BENCH_MAIN.format(bench=str(Path(bench.__file__).parent), out=str(tmp_path))
     error_line = f"bench: error: stopped by {name}; its servers were killed, no report was written"
-    assert_an_interrupt_kills_its_servers(
-        driver_script(main, tmp_path, port), tmp_path, port, signum, code, error_line
-    )
+    assert_an_interrupt_kills_its_servers(main, tmp_path, signum, code, error_line)

@@ -11,7 +11,6 @@ import importlib
 import itertools
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -57,7 +56,7 @@ from e2e_harness.scenarios import (  # noqa: E402
 )
 from e2e_harness.server import CPU_FLAGS, HOOK, Server, free_port, server_command  # noqa: E402
 from e2e_harness.verdicts import COMPARING, Run, judge  # noqa: E402
-from interrupted_driver import FAKE_SERVER, assert_an_interrupt_kills_its_servers, driver_script, gone  # noqa: E402
+from interrupted_driver import FAKE_SERVER, INTERRUPTS, assert_an_interrupt_kills_its_servers, gone  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -881,22 +880,20 @@ sys.exit(run_e2e.main(["--device", "cpu", "--out", {out!r}]))
 """
 
 
-@pytest.mark.parametrize(
-    ("signum", "code", "name"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")]
-)
+@INTERRUPTS
 def test_an_interrupted_driver_kills_the_server_of_the_run_in_progress(
     tmp_path: Path, signum: int, code: int, name: str
 ) -> None:
     """SIGTERM (a cancelled CI job) or Ctrl-C while a run waits on a request its server never
     answers: the server and its child are killed and the driver exits at once, in one line. Without
     the handler SIGTERM leaves both running, and SIGINT waits for the request's timeout."""
-    port = free_port()
-    script = driver_script(_E2E_MAIN.format(out=str(tmp_path)), tmp_path, port)
     error_line = (
         f"e2e: error: stopped by {name}; its servers were killed, no report was written "
         f"(the runs' logs are in {tmp_path}): run it again"
     )
-    assert_an_interrupt_kills_its_servers(script, tmp_path, port, signum, code, error_line)
+    assert_an_interrupt_kills_its_servers(
+        _E2E_MAIN.format(out=str(tmp_path)), tmp_path, signum, code, error_line
+    )
 
 
 def test_hook_reaches_the_server_through_pythonpath(tmp_path: Path) -> None:

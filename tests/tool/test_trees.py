@@ -169,6 +169,11 @@ def demo_with_a_fix(demo: DemoProject) -> None:
     assert export(demo.project, demo.target()).exit_code == 0
 
 
+def assert_verify_refuses(demo: DemoProject, expected: str) -> None:
+    with pytest.raises(CarryError, match=expected):
+        verify(demo.project, [demo.target()], sys.executable, demo.pip)
+
+
 def test_verify_refuses_while_a_package_its_tests_import_differs_from_patches(
     demo: DemoProject, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -187,12 +192,11 @@ def test_verify_refuses_while_a_package_its_tests_import_differs_from_patches(
 
 def test_verify_refuses_while_a_package_its_tests_import_is_not_laid_down(demo: DemoProject) -> None:
     demo_with_a_fix(demo)
-    expected = (
+    assert_verify_refuses(
+        demo,
         r"import tiny's carry/0.3, which is not laid down in upstream/tiny: "
-        r"run `carry fetch tiny && carry apply tiny`"
+        r"run `carry fetch tiny && carry apply tiny`",
     )
-    with pytest.raises(CarryError, match=expected):
-        verify(demo.project, [demo.target()], sys.executable, demo.pip)
 
 
 def test_an_uncommitted_edit_in_an_imported_checkout_is_refused_unless_a_tree_is_named(
@@ -202,12 +206,11 @@ def test_an_uncommitted_edit_in_an_imported_checkout_is_refused_unless_a_tree_is
     tiny = demo.root / "upstream" / "tiny"
     (tiny / "tiny" / "__init__.py").write_text("X = 'edited'\n")
     demo_with_a_fix(demo)
-    expected = (
-        r"import tiny's carry/0.3 from upstream/tiny itself, which has uncommitted changes "
-        r"\(tiny/__init__.py\)"
+    assert_verify_refuses(
+        demo,
+        r"import tiny's carry/0.3 from upstream/tiny itself, "
+        r"which has uncommitted changes \(tiny/__init__.py\)",
     )
-    with pytest.raises(CarryError, match=expected):
-        verify(demo.project, [demo.target()], sys.executable, demo.pip)
     # A tree named by the user is imported as it is: nothing to check.
     monkeypatch.setenv("CARRY_TREE_TINY", str(tmp_path))
     assert verify(demo.project, [demo.target()], sys.executable, demo.pip).exit_code == 0
