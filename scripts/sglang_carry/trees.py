@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .errors import CarryError
 from .git import Git
-from .line_state import DIFFERS, MATCHES, MISSING, branch_state
+from .line_state import DIFFERS, MISSING, NOT_DESCENDING, branch_state
 from .project import Project, Target, default_target
 from .runner import Runner, run_subprocess
 
@@ -103,15 +103,15 @@ def require_imported_trees_ready(
                 f"{imported}, which is not laid down in upstream/{name}: run "
                 f"`carry fetch {name} && carry apply {name}`, {again}"
             )
-        if state is not MATCHES:
-            differs = (
-                f"differs from {series.label}"
-                if state is DIFFERS
-                else f"does not descend from {target.upstream_tag}"
-            )
+        if state is DIFFERS:
             raise CarryError(
-                f"{imported}, which {differs}: run `carry apply {name}` (or `carry export {name}` to keep "
-                f"the branch), {again}"
+                f"{imported}, which differs from {series.label}: run `carry apply {name}` (or `carry export "
+                f"{name}` to keep the branch), {again}"
+            )
+        if state is NOT_DESCENDING:
+            raise CarryError(
+                f"{imported}, which does not descend from {target.upstream_tag}: run `carry apply {name}` to "
+                f"rebuild it from patches/, {again}"
             )
         dirty = git.dirty_paths() if git.current_branch() == target.branch else []
         if dirty:

@@ -199,6 +199,22 @@ def test_verify_refuses_while_a_package_its_tests_import_is_not_laid_down(demo: 
     )
 
 
+def test_verify_refuses_while_a_package_its_tests_import_does_not_descend_from_its_tag(
+    demo: DemoProject,
+) -> None:
+    demo.lay_down("tiny")
+    tiny = demo.root / "upstream" / "tiny"
+    git(tiny, "checkout", "-q", "--orphan", "elsewhere")
+    git(tiny, "commit", "-q", "-m", "a branch from elsewhere")
+    git(tiny, "branch", "-q", "-f", "carry/0.3", "elsewhere")
+    demo_with_a_fix(demo)
+    assert_verify_refuses(
+        demo,
+        r"import tiny's carry/0.3, which does not descend from upstream/0.3: "
+        r"run `carry apply tiny` to rebuild it from patches/",
+    )
+
+
 def test_an_uncommitted_edit_in_an_imported_checkout_is_refused_unless_a_tree_is_named(
     demo: DemoProject, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
