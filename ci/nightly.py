@@ -11,7 +11,9 @@ from the build's result, and the one for this interpreter is the one the e2e ins
 (`carry verify`), cpu-tests (`carry apply` of that line, then pytest on tests/upstream/NAME
 against its tree), and for sglang e2e-cpu (ci/e2e/run_e2e.py --device cpu: a real server on CPU,
 one rank and two) and, where a CUDA device is present, gpu-tests (tests/gpu with
-CARRY_REQUIRE_GPU=1) and e2e (ci/e2e/run_e2e.py). A "project" row runs ruff, zizmor, actionlint,
+CARRY_REQUIRE_GPU=1), e2e (ci/e2e/run_e2e.py) and bench (ci/bench/server.py --device cuda: the
+series' cost to a real server, judged by the wall clock, which a GPU runner is quiet enough for).
+A "project" row runs ruff, zizmor, actionlint,
 mypy and the tool's tests once (CARRY_TEST_LINES=0 CARRY_TEST_E2E=0 ./scripts/test). Then the
 canary asks the index `carry rebase` reads (PyPI, or $CARRY_INDEX_URL) for the newest sglang
 release and, when it is newer than the newest sglang line, runs `carry rebase --check NEWEST
@@ -23,7 +25,7 @@ Everything lands in one folder (default build/nightly/<UTC timestamp>/): summary
 summary.json (line x step -> pass/fail/skipped with the reason, durations, every artifact's
 sha256; ci/schemas/nightly-summary.schema.json), logs/
 (one log per step), wheels/ (the built wheels and sdists), simple/ (them as a PEP 503 index),
-gpu/, e2e/ and e2e-cpu/ results.
+gpu/, e2e/, e2e-cpu/ and bench/ results.
 Exit 0 when nothing failed (skips are not failures), 1 otherwise.
 
 Every command goes through an injectable Runner, the registry through an injectable fetcher and the
@@ -65,7 +67,9 @@ from sglang_carry.status import MAINTAINED, SeriesState, status  # noqa: E402
 from sglang_carry.tables import markdown_table  # noqa: E402
 from sglang_carry.testenv import test_envs  # noqa: E402
 
-STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e")
+STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e", "bench")
+# The bench's cases on a GPU: the judged ones (its natural-miss recovery has no target).
+BENCH_CASES = "tp1,tp2,tp2-plain,tp2-control"
 # The seeds of the two-rank simulation (tests/upstream/sglang/test_simulation.py) each night;
 # ./scripts/test runs its default, 0-199.
 NIGHTLY_SIMULATION_SEEDS = "0-1999"
@@ -266,7 +270,7 @@ class Nightly:
         return str(env.python)
 
     def run(self) -> int:
-        for folder in ("logs", "wheels", "gpu", "e2e", "e2e-cpu"):
+        for folder in ("logs", "wheels", "gpu", "e2e", "e2e-cpu", "bench"):
             (self.out / folder).mkdir(parents=True, exist_ok=True)
         started = self.clock()
         carry = str(self.root / "scripts" / "carry")
@@ -318,11 +322,13 @@ class Nightly:
             self._skip(row, "e2e-cpu", f"no end-to-end test for {line.name}")
             self._skip(row, "gpu-tests", f"no GPU tests for {line.name}")
             self._skip(row, "e2e", f"no end-to-end test for {line.name}")
+            self._skip(row, "bench", f"no benchmark for {line.name}")
             return
         self.run_cpu_e2e(row, line)
         if self.cuda is not None:
             self._skip(row, "gpu-tests", self.cuda)
             self._skip(row, "e2e", self.cuda)
+            self._skip(row, "bench", self.cuda)
             return
         python = self.options.gpu_python.replace("{version}", line.version)
         gpu_json = self.out / "gpu" / f"{line.version}.json"
@@ -334,20 +340,14 @@ class Nightly:
         )
         if row not in self.wheels:
             self._skip(row, "e2e", "no wheel was built")
+            self._skip(row, "bench", "no wheel was built")
             return
-        e2e_out = self.out / "e2e" / line.version
-        self._step(
-            row,
-            "e2e",
-            [
-                python,
-                str(self.root / "ci" / "e2e" / "run_e2e.py"),
-                "--wheel",
-                str(self.out / "wheels" / self.wheels[row]["file"]),
-                "--out",
-                str(e2e_out),
-            ],
-        )
+        wheel = str(self.out / "wheels" / self.wheels[row]["file"])
+        e2e = str(self.root / "ci" / "e2e" / "run_e2e.py")
+        self._step(row, "e2e", [python, e2e, "--wheel", wheel, "--out", str(self.out / "e2e" / line.version)])
+        bench = [python, str(self.root / "ci" / "bench" / "server.py"), "--device", "cuda", "--wheel", wheel]
+        bench += ["--python", python, "--cases", BENCH_CASES, "--out", str(self.out / "bench" / line.version)]
+        self._step(row, "bench", bench)
 
     def keep_artifacts(self, row: str, line: Line, build: StepResult, built: BuildResult) -> None:
         """The build's artifacts copied into wheels/; the one for this interpreter is the line's

@@ -1,12 +1,17 @@
-"""Benchmark: what the series costs a real sglang server on CPU, and what recovering from a natural
-miss costs.
+"""Benchmark: what the series costs a real sglang server (on CPU, or on a GPU), and what recovering
+from a natural miss costs.
 
     .venv-test/bin/python ci/bench/server.py [--upstream V] [--pairs 6] [--repeats 2]
         [--judge in-run] [--out DIR]
+    GPU_PYTHON ci/bench/server.py --device cuda --wheel PATCHED_WHEEL [--python GPU_PYTHON]
 
-Not a test. The line is prepared as the CPU end-to-end test prepares it (ci/e2e/cpu_line.py: the
-official wheel from the pin, the patched wheel from dist/, built if missing) and served by the
-line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py).
+Not a test. On CPU the line is prepared as the CPU end-to-end test prepares it
+(ci/e2e/cpu_line.py: the official wheel from the pin, the patched wheel from dist/, built if
+missing) and served by the line's test environment with the same CPU stand-ins and model
+(ci/e2e/run_e2e.py). With --device cuda (the GPU nightly's `bench` step) the patched wheel and the
+official one it was built from are each unpacked and served by --python (a venv with the line's
+requirements: ci/gpu-env), both servers of a case on the same GPU(s); a case that needs more GPUs
+than `nvidia-smi -L` lists is skipped, and said so. The judge defaults to the wall clock there.
 
 1. The series' cost, nothing missing: for each of CASES a pristine and a patched server run side
    by side, both with `--sleep-on-idle` so that the one not being timed sleeps on its sockets
@@ -28,11 +33,12 @@ line's test environment with the same CPU stand-ins and model (ci/e2e/run_e2e.py
    (per all-reduce, and as a share of the timed time: at most what the agreement costs, as part of
    it is waiting for the slower rank, which the forward's own all-reduce would wait for
    otherwise); the ratio patched/pristine, and each pair's throughput ratio (its spread is the
-   noise). What decides the exit status (--judge): `in-run` (default), the agreement's time in
+   noise). What decides the exit status (--judge): `in-run` (default on CPU), the agreement's time in
    each patched pass at most 1 % of the pass with a rank-local pool and no agreement collective
    at all otherwise, which a shared 2-core machine can decide; `wall-clock`, the ratios'
    targets (throughput >= 0.98, p99 TTFT <= 1.05, every case but the control), for a quiet
-   machine. Under `in-run` a missed wall-clock target is printed, not failed.
+   machine (default with --device cuda). Under `in-run` a missed wall-clock target is printed, not
+   failed.
 2. Recovery from a natural miss (NATURAL in ci/e2e/e2e_harness/scenarios.py): the patched server
    on the natural traffic next to the same traffic on a pool large enough not to miss, a server
    per pass, `--repeats` of each: wall time, latency median and p99, and their ratios (printed,
@@ -67,6 +73,7 @@ sys.path.insert(0, str(E2E))
 import cpu_line  # noqa: E402  (puts the tool's package on sys.path)
 from cpu_line import unpack_wheel  # noqa: E402
 from e2e_harness.models import VOCAB, write_models  # noqa: E402
+from e2e_harness.plan import official_wheel_of  # noqa: E402
 from e2e_harness.scenarios import NATURAL_POOL_TOKENS, NATURAL_ROOMY_POOL_TOKENS, natural_flags  # noqa: E402
 from e2e_harness.server import (  # noqa: E402
     CPU_FLAGS,
@@ -122,6 +129,12 @@ STARTUP_TIMEOUT_S = 900.0
 PORT_ATTEMPTS = 3
 # Two CPU ranks need their OpenMP cores named (sglang's CPU engine).
 TWO_RANK_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+# On a GPU, server_command's own flags: each server takes 0.3 of a GPU's memory, so a case's two
+# servers share the same GPU(s) (the model is tiny, the pool capped by POOL_FLAGS).
+GPU_FLAGS: tuple[str, ...] = ()
+DEVICES = ("cpu", "cuda")
+# The judge a device gets unless --judge names one: a GPU runner is quiet enough for the ratios.
+DEFAULT_JUDGE = {"cpu": "in-run", "cuda": "wall-clock"}
 # name, ranks, the pool marked rank-local (the patched ranks then agree), the two servers' wheels,
 # what it is. The control serves the pristine wheel twice: its ratios are this run's noise.
 CASES = (
@@ -306,6 +319,7 @@ class Case:
     max_new_tokens: int
     concurrency: int
     pass_requests: int = PASS_REQUESTS
+    device: str = "cpu"
 
 
 @dataclass
@@ -346,7 +360,8 @@ def launch(
 ) -> Running:
     """Start a server (not yet healthy: see `ready`)."""
     port = free_port()
-    extra = [*CPU_FLAGS, *(["--tp-size", str(case.tp)] if case.tp > 1 else [])]
+    device_flags = CPU_FLAGS if case.device == "cpu" else GPU_FLAGS
+    extra = [*device_flags, *(["--tp-size", str(case.tp)] if case.tp > 1 else [])]
     command = server_command(str(python), model, port, extra, case.flags)
     server_env = dict(env)
     path = [str(site), *map(str, pythonpath), str(HOOK)]
@@ -359,7 +374,7 @@ def launch(
         "CARRY_E2E_MISS_LIMIT": "0",
         "CARRY_E2E_COUNTERS_DIR": str(counters),
     }
-    if case.tp > 1:
+    if case.tp > 1 and case.device == "cpu":
         server_env |= TWO_RANK_ENV
     if case.rank_local:
         server_env["CARRY_E2E_RANK_LOCAL"] = "1"
@@ -501,9 +516,72 @@ def median_of(runs: Sequence[Served]) -> dict[str, float]:
     return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What serves the traffic: the line, each wheel unpacked (its site), the interpreter, what goes
+    on PYTHONPATH after a site, the servers' environment, and the GPUs present (None on CPU)."""
+
+    version: str
+    sites: dict[str, Path]
+    python: Path
+    pythonpath: list[Path]
+    env: dict[str, str]
+    gpus: int | None = None
+
+
+def prepare_cpu(upstream: str | None, out: Path, base_env: dict[str, str]) -> Prepared:
+    """As the CPU end-to-end test: the official wheel from the pin, the patched one from dist/ (built
+    if missing), served by the line's test environment with the CPU stand-ins."""
+    line = cpu_line.prepare(upstream, out)
+    return Prepared(
+        line.version,
+        {
+            "pristine": unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
+            "patched": unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
+        },
+        line.python,
+        [CPU_STANDINS, line.server_deps],
+        cpu_env(base_env, out),
+    )
+
+
+def gpu_count() -> int:
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True, timeout=60)
+    return sum(1 for row in listed.stdout.splitlines() if row.startswith("GPU "))
+
+
+def prepare_gpu(wheel: Path, python: Path, out: Path, base_env: dict[str, str]) -> Prepared:
+    """As the GPU end-to-end test: the patched wheel and the official one it was built from (its
+    provenance, in upstream/.downloads), each unpacked, served by `python` (a venv with the line's
+    requirements, see ci/gpu-env)."""
+    pristine = official_wheel_of(wheel)
+    if not pristine.is_file():
+        raise FileNotFoundError(
+            f"{pristine} (the official wheel {wheel.name} was built from): run `carry fetch sglang`"
+        )
+    return Prepared(
+        wheel.name.split("-")[1].split("+")[0],
+        {
+            "pristine": unpack_wheel(pristine, out / "sites" / "pristine"),
+            "patched": unpack_wheel(wheel, out / "sites" / "patched"),
+        },
+        python,
+        [],
+        {**base_env, "TORCH_EXTENSIONS_DIR": str(out / "torch-extensions")},
+        gpu_count(),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ci/bench/server.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", help="the sglang line (default: the newest with a series)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu")
+    parser.add_argument("--upstream", help="CPU: the sglang line (default: the newest with a series)")
+    parser.add_argument(
+        "--wheel", type=Path, help="GPU: the patched wheel (the official one from its provenance)"
+    )
+    parser.add_argument(
+        "--python", type=Path, default=Path(sys.executable), help="GPU: the servers' interpreter"
+    )
     parser.add_argument(
         "--pairs", type=int, default=6, help="timed passes per wheel and case, alternating (ABBA)"
     )
@@ -514,9 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--judge",
         choices=JUDGES,
-        default="in-run",
-        help="what decides the exit status: the agreement's share of each patched pass (default), or"
-        " the wall-clock ratios (a quiet machine, e.g. a GPU)",
+        help="what decides the exit status: the agreement's share of each patched pass (the default on"
+        " CPU), or the wall-clock ratios (a quiet machine: the default on a GPU)",
     )
     parser.add_argument(
         "--cases",
@@ -524,21 +601,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="which of tp1, tp2, tp2-plain, tp2-control, natural",
     )
     args = parser.parse_args(argv)
+    args.judge = args.judge or DEFAULT_JUDGE[args.device]
+    if args.device == "cuda" and args.wheel is None:
+        parser.error("--wheel is required with --device cuda (the patched wheel)")
     out: Path = args.out.resolve()
     shutil.rmtree(out / "logs", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("CARRY_E2E_")}
     try:
-        line = cpu_line.prepare(args.upstream, out)
-    except (CarryError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as error:
+        if args.device == "cpu":
+            line = prepare_cpu(args.upstream, out, base_env)
+        else:
+            line = prepare_gpu(args.wheel.resolve(), args.python, out, base_env)
+    except (CarryError, subprocess.SubprocessError, OSError, zipfile.BadZipFile, StopIteration) as error:
         print(f"bench: error: the line cannot be prepared: {error}", file=sys.stderr)
         return 2
-    sites = {
-        "pristine": unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
-        "patched": unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
-    }
+    sites, env, pythonpath = line.sites, line.env, line.pythonpath
     model = write_models(out / "models", ["dense"])["dense"]
-    env = cpu_env({k: v for k, v in os.environ.items() if not k.startswith("CARRY_E2E_")}, out)
-    pythonpath = [CPU_STANDINS, line.server_deps]
     natural = tuple(plan_natural_traffic()[0])
     chosen = [c for c in args.cases.split(",") if c]
     report: dict[str, Any] = {
@@ -546,6 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pairs": args.pairs,
         "repeats": args.repeats,
         "judge": args.judge,
+        "device": args.device,
         "cases": {},
     }
     lines: list[str] = []
@@ -559,11 +639,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, tp, rank_local, wheels, label in CASES:
                 if name not in chosen:
                     continue
+                if line.gpus is not None and tp > line.gpus:
+                    report["cases"][name] = {"skipped": f"{tp} GPUs needed, {line.gpus} present"}
+                    lines += [f"{name} ({label}): skipped, {tp} GPUs needed, {line.gpus} present"]
+                    continue
                 first, second = wheels
                 case_sites = {first: sites[first], SECOND[second]: sites[second]}
                 pass_requests = ONE_RANK_PASS_REQUESTS if tp == 1 else PASS_REQUESTS
                 case = Case(
-                    name, tp, rank_local, SIDE_BY_SIDE_FLAGS, (), OUTPUT_TOKENS, CONCURRENCY, pass_requests
+                    name,
+                    tp,
+                    rank_local,
+                    SIDE_BY_SIDE_FLAGS,
+                    (),
+                    OUTPUT_TOKENS,
+                    CONCURRENCY,
+                    pass_requests,
+                    args.device,
                 )
                 runs = side_by_side(case, args.pairs, case_sites, line.python, pythonpath, model, out, env)
                 totals = {server: summary(pooled(served)) for server, served in runs.items()}
@@ -602,6 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             natural,
                             MAX_NEW_TOKENS,
                             len(natural),
+                            device=args.device,
                         )
                         where = (sites["patched"], line.python, pythonpath, model, out, env)
                         recovered[name].append(run_server(case, "patched", *where))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import zipfile
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -248,3 +249,109 @@ def test_an_interrupted_bench_kills_the_servers_of_the_case_in_progress(
     main = _BENCH_MAIN.format(bench=str(Path(bench.__file__).parent), out=str(tmp_path))
     error_line = f"bench: error: stopped by {name}; its servers were killed, no report was written"
     assert_an_interrupt_kills_its_servers(main, tmp_path, signum, code, error_line)
+
+
+class _StartedServer:
+    """Server.start's stand-in: what a launch would run."""
+
+    started: ClassVar[list[tuple[list[str], dict[str, str]]]] = []
+
+    @classmethod
+    def start(cls, command: list[str], env: dict[str, str], log: Path, port: int) -> str:
+        cls.started.append((command, env))
+        return "server"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_server_is_started_with_its_devices_flags(
+    device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "Server", _StartedServer)
+    _StartedServer.started.clear()
+    case = bench.Case("tp2", 2, True, bench.SIDE_BY_SIDE_FLAGS, (), 4, 2, device=device)
+    bench.launch(case, "patched", tmp_path / "site", Path("/venv/bin/python"), [], tmp_path, tmp_path, {})
+    ((command, env),) = _StartedServer.started
+    assert command[0] == "/venv/bin/python" and command[command.index("--tp-size") + 1] == "2"
+    assert env["CARRY_E2E_RANK_LOCAL"] == "1"
+    if device == "cpu":
+        assert command[command.index("--device") + 1] == "cpu" and env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    else:
+        # Nothing of the CPU engine; both servers of a case share the GPU(s), 0.3 of its memory each.
+        assert "--device" not in command and "SGLANG_CPU_OMP_THREADS_BIND" not in env
+        assert command[command.index("--mem-fraction-static") + 1] == "0.3"
+
+
+def _passes(tree: str, requests_per_s: float) -> list[Any]:
+    return [bench.Served(tree, 10.0, int(10 * requests_per_s), 100, [0.1] * 4, [1.0] * 4) for _ in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("device", "code"),
+    [("cpu", 0), ("cuda", 1)],
+    ids=["cpu-judges-in-run", "cuda-judges-the-wall-clock"],
+)
+def test_the_judge_by_device_and_the_cases_the_gpus_allow(
+    device: str,
+    code: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The patched wheel serves 10 % slower and makes no collective: on CPU (in-run) that is printed,
+    not failed; on a GPU the wall clock decides. One GPU runs only the one-rank case."""
+    prepared = bench.Prepared(
+        "0.5.23", {"pristine": tmp_path, "patched": tmp_path}, Path("python"), [], {}, None
+    )
+    monkeypatch.setattr(bench, "prepare_cpu", lambda *args: prepared)
+    monkeypatch.setattr(
+        bench, "prepare_gpu", lambda *args: bench.Prepared(**{**prepared.__dict__, "gpus": 1})
+    )
+    monkeypatch.setattr(bench, "write_models", lambda folder, names: {"dense": folder})
+    ran: list[str] = []
+
+    def side_by_side(case: Any, pairs: int, sites: dict[str, Path], *where: Any) -> dict[str, list[Any]]:
+        ran.append(case.name)
+        assert case.device == device
+        return {"pristine": _passes("pristine", 2.0), "patched": _passes("patched", 1.8)}
+
+    monkeypatch.setattr(bench, "side_by_side", side_by_side)
+    argv = ["--device", device, "--cases", "tp1,tp2,tp2-plain", "--out", str(tmp_path / "out")]
+    wheel = tmp_path / "sglang-0.5.23+carry.36-py3-none-any.whl"
+    assert bench.main([*argv, *(["--wheel", str(wheel)] if device == "cuda" else [])]) == code
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    printed = capsys.readouterr().out
+    assert "tp1: throughput ratio 0.9000 < 0.98" in printed
+    if device == "cpu":
+        assert ran == ["tp1", "tp2", "tp2-plain"] and report["judge"] == "in-run"
+        assert "bench: wall clock over target (printed; judged by --judge wall-clock): tp1" in printed
+    else:
+        assert ran == ["tp1"] and report["judge"] == "wall-clock"
+        assert report["cases"]["tp2"] == {"skipped": "2 GPUs needed, 1 present"}
+        assert (
+            "tp2 (two ranks, rank-local pool: the agreement's cost): skipped, 2 GPUs needed, 1 present"
+            in printed
+        )
+        assert "bench: over target: tp1: throughput ratio 0.9000 < 0.98" in printed
+
+
+def test_a_gpu_run_needs_the_patched_wheel(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--device", "cuda"])
+    assert exited.value.code == 2
+    assert "--wheel is required with --device cuda" in capsys.readouterr().err
+
+
+def test_a_gpu_run_whose_official_wheel_is_missing_says_what_to_fetch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = tmp_path / "sglang-0.5.23+carry.36-py3-none-any.whl"
+    provenance = {"upstream": {"file": "sglang-0.0.0-py3-none-any.whl"}}
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("sglang/sglang_carry_provenance.json", json.dumps(provenance))
+    assert bench.main(["--device", "cuda", "--wheel", str(wheel), "--out", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("bench: error: the line cannot be prepared: ")
+    assert line.endswith(
+        "upstream/.downloads/sglang-0.0.0-py3-none-any.whl (the official wheel"
+        " sglang-0.5.23+carry.36-py3-none-any.whl was built from): run `carry fetch sglang`"
+    )

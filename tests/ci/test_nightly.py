@@ -173,8 +173,9 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
         "e2e-cpu": "pass",
         "gpu-tests": "skipped",
         "e2e": "skipped",
+        "bench": "skipped",
     }
-    assert line["gpu-tests"]["reason"] == "--no-gpu"
+    assert line["gpu-tests"]["reason"] == "--no-gpu" and line["bench"]["reason"] == "--no-gpu"
     assert summary["lines"]["kvcached 0.1.6"]["gpu-tests"]["reason"] == "no GPU tests for kvcached"
     assert summary["lines"]["kvcached 0.1.6"]["e2e-cpu"]["reason"] == "no end-to-end test for kvcached"
     # Without a GPU too, every sglang line gets a real server on CPU, in its own test environment.
@@ -315,7 +316,9 @@ def test_a_failing_step_fails_the_night_with_its_last_line(tmp_path: Path) -> No
     assert summary["lines"]["sglang 0.5.20"]["cpu-tests"]["status"] == "pass"  # the night goes on
 
 
-def test_with_a_gpu_the_gpu_tests_are_required_and_the_e2e_runs_on_the_built_wheel(tmp_path: Path) -> None:
+def test_with_a_gpu_the_gpu_tests_are_required_and_the_e2e_and_the_bench_run_on_the_built_wheel(
+    tmp_path: Path,
+) -> None:
     project = FakeProject(tmp_path, gpu=True)
     code, summary, _ = run(tmp_path, project, simple_index("0.5.20"), gpu_python="/opt/gpu/bin/python")
     assert code == 0
@@ -325,11 +328,21 @@ def test_with_a_gpu_the_gpu_tests_are_required_and_the_e2e_runs_on_the_built_whe
     assert argv[0] == "/opt/gpu/bin/python"
     assert env["CARRY_REQUIRE_GPU"] == "1"
     assert env["CARRY_GPU_RESULTS"] == str(tmp_path / "out" / "gpu" / "0.5.20.json")
-    [e2e, _] = [argv for argv in project.commands("--wheel")]
+    [e2e, bench, _, _] = [argv for argv in project.commands("--wheel")]
     assert e2e[1] == str(ROOT / "ci" / "e2e" / "run_e2e.py") or e2e[1].endswith("ci/e2e/run_e2e.py")
     assert Path(e2e[e2e.index("--wheel") + 1]).parent == tmp_path / "out" / "wheels"
+    # The series' cost to a real server on the GPU, on the same wheel, its wall clock judged (the
+    # bench's default on a GPU), the servers run by the line's GPU interpreter.
+    assert bench[0] == "/opt/gpu/bin/python" and bench[1].endswith("ci/bench/server.py")
+    assert bench[2:4] == ["--device", "cuda"]
+    assert bench[bench.index("--wheel") + 1] == e2e[e2e.index("--wheel") + 1]
+    assert bench[bench.index("--python") + 1] == "/opt/gpu/bin/python" and "--judge" not in bench
+    assert bench[bench.index("--cases") + 1] == "tp1,tp2,tp2-plain,tp2-control"
+    assert bench[bench.index("--out") + 1] == str(tmp_path / "out" / "bench" / "0.5.20")
+    assert summary["lines"]["sglang 0.5.20"]["bench"]["status"] == "pass"
     assert summary["gpu"] == "present"
     assert summary["lines"]["kvcached 0.1.6"]["e2e"]["status"] == "skipped"
+    assert summary["lines"]["kvcached 0.1.6"]["bench"]["reason"] == "no benchmark for kvcached"
 
 
 def test_without_a_gpu_the_reason_is_nvidia_smi(tmp_path: Path) -> None:
