@@ -313,7 +313,7 @@ class Nightly:
         row, versioned = line.key, [line.name, "--upstream", line.version]
         # Every pinned file of the line (each Python and platform), as a team installs them.
         self._build(row, line)
-        self._step(row, "verify", [carry, "verify", *versioned])
+        self.run_verify(row, line, [carry, "verify", *versioned])
         applied, _ = self._step(row, "apply", [carry, "apply", *versioned])
         self.results[row]["cpu-tests"] = self.results[row].pop("apply")
         if applied.status == PASS:
@@ -372,6 +372,17 @@ class Nightly:
             self.results[row][step] = StepResult(FAIL, str(error))
             return
         self._step(row, step, [python, *args], env=env)
+
+    def run_verify(self, row: str, line: Line, verify: Sequence[str]) -> None:
+        """`carry verify` in the line's test environment, built first where it is missing (verify
+        refuses a line whose environment is not built: a night running one line on a fresh runner,
+        as the workflow's jobs do, failed there)."""
+        try:
+            python = self.test_python(line)
+        except CarryError as error:
+            self.results[row]["verify"] = StepResult(FAIL, str(error))
+            return
+        self._step(row, "verify", [*verify, "--python", python])
 
     def run_cpu_tests(self, row: str, line: Line) -> None:
         """The line's upstream tests, the two-rank simulation over NIGHTLY_SIMULATION_SEEDS."""

@@ -208,15 +208,23 @@ def test_no_gpu_runs_every_maintained_line_green(tmp_path: Path) -> None:
     assert len(summary["artifacts"]) == 5 and f"| {cp312} |" in markdown
     assert line["build"]["seconds"] == 2 and (tmp_path / "out" / line["verify"]["log"]).is_file()
     # Every line is built and verified with its own --upstream; nvidia-smi is not even asked.
-    assert project.commands("verify")[-1][-2:] == ["--upstream", "0.5.21"]
+    # ... in the line's own test environment, built before verify where it is missing (verify
+    # refuses an unbuilt one).
+    verify = project.commands("verify")[-1]
+    assert verify[verify.index("--upstream") + 1] == "0.5.21"
+    assert verify[verify.index("--python") + 1] == str(tmp_path / ".venv-test-t521" / "bin" / "python")
+    [(verify_at, _)] = [(i, argv) for i, (argv, _) in enumerate(project.calls) if argv is verify]
+    built_at = [i for i, (argv, _) in enumerate(project.calls) if argv[-1] == "t521"]
+    assert built_at[0] < verify_at
     assert project.commands("nvidia-smi") == []
     # Each line's CPU tests run after applying that line, in its own test environment, which is
     # built first where it is missing.
     pytest_runs = [argv for argv in project.commands("pytest") if argv[-1] == "tests/upstream/sglang"]
     assert [Path(argv[0]).parts[-3] for argv in pytest_runs] == [".venv-test", ".venv-test-t521"]
     builds = [argv[-1] for argv in project.commands("test_env.py")]
-    # kvcached 0.1.6, sglang 0.5.20 (cpu-tests, e2e-cpu), 0.5.21 (the same): the fake never has one
-    assert builds == ["torch2.13", "torch2.13", "torch2.13", "t521", "t521"]
+    # kvcached 0.1.6 (verify, cpu-tests), sglang 0.5.20 (verify, cpu-tests, e2e-cpu), 0.5.21 (the
+    # same): the fake never has one
+    assert builds == ["torch2.13"] * 5 + ["t521"] * 3
     assert summary["canary"]["status"] == "skipped"
     assert "not newer" in summary["canary"]["reason"]
     assert (
