@@ -362,27 +362,30 @@ class Nightly:
         self.wheels[row] = {"file": here.path.name, "sha256": here.sha256}
         build.details = {**self.wheels[row], "artifacts": len(built.artifacts)}
 
+    def _test_python_of_step(self, row: str, line: Line, step: str) -> str | None:
+        """The line's test environment's interpreter (built if missing), or None with the step
+        failed where the line names no such environment."""
+        try:
+            return self.test_python(line)
+        except CarryError as error:
+            self.results[row][step] = StepResult(FAIL, str(error))
+            return None
+
     def _step_in_test_env(
         self, row: str, line: Line, step: str, args: Sequence[str], env: Mapping[str, str] | None = None
     ) -> None:
         """A step run by the line's own test environment's interpreter (built if missing)."""
-        try:
-            python = self.test_python(line)
-        except CarryError as error:
-            self.results[row][step] = StepResult(FAIL, str(error))
-            return
-        self._step(row, step, [python, *args], env=env)
+        python = self._test_python_of_step(row, line, step)
+        if python is not None:
+            self._step(row, step, [python, *args], env=env)
 
     def run_verify(self, row: str, line: Line, verify: Sequence[str]) -> None:
         """`carry verify` in the line's test environment, built first where it is missing (verify
         refuses a line whose environment is not built: a night running one line on a fresh runner,
         as the workflow's jobs do, failed there)."""
-        try:
-            python = self.test_python(line)
-        except CarryError as error:
-            self.results[row]["verify"] = StepResult(FAIL, str(error))
-            return
-        self._step(row, "verify", [*verify, "--python", python])
+        python = self._test_python_of_step(row, line, "verify")
+        if python is not None:
+            self._step(row, "verify", [*verify, "--python", python])
 
     def run_cpu_tests(self, row: str, line: Line) -> None:
         """The line's upstream tests, the two-rank simulation over NIGHTLY_SIMULATION_SEEDS."""

@@ -406,10 +406,11 @@ def main() -> int:
 def verdict(floor: float, timed: list[str], counted: list[str]) -> int:
     """Print what missed its target; the exit status. A run whose floor is too far from 1 judges
     only what it counts (exit 2 when that holds: run it again)."""
-    judged = counted if floor_too_far(floor) else [*counted, *timed]
+    too_far = floor_too_far(floor)
+    judged = counted if too_far else [*counted, *timed]
     for failure in judged:
         print(f"bench: over target: {failure}")
-    if floor_too_far(floor):
+    if too_far:
         print(
             f"bench: error: pristine/pristine read {floor:.4f}, more than {FLOOR_LIMIT:.0%} from 1, so the"
             " timed targets were not judged: run it again on an idle machine",

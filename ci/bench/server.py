@@ -93,6 +93,7 @@ from e2e_harness.traffic import MAX_NEW_TOKENS, Request, plan_natural_traffic  #
 from e2e_harness.verdicts import read_counters  # noqa: E402
 
 from sglang_carry.errors import CarryError  # noqa: E402
+from sglang_carry.kinds.wheel import Wheel  # noqa: E402
 
 # Requests per timed pass: about 10 s of two ranks' serving; one rank serves 8x faster, and a
 # pass of 1 s was mostly its ramp up and down, so its passes are 4x longer.
@@ -560,7 +561,7 @@ def prepare_gpu(wheel: Path, python: Path, out: Path, base_env: dict[str, str]) 
             f"{pristine} (the official wheel {wheel.name} was built from): run `carry fetch sglang`"
         )
     return Prepared(
-        wheel.name.split("-")[1].split("+")[0],
+        str(Wheel().parse(pristine.name)[1]),
         {
             "pristine": unpack_wheel(pristine, out / "sites" / "pristine"),
             "patched": unpack_wheel(wheel, out / "sites" / "patched"),
@@ -613,7 +614,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             line = prepare_cpu(args.upstream, out, base_env)
         else:
             line = prepare_gpu(args.wheel.resolve(), args.python, out, base_env)
-    except (CarryError, subprocess.SubprocessError, OSError, zipfile.BadZipFile, StopIteration) as error:
+    except (
+        CarryError,
+        subprocess.SubprocessError,
+        OSError,
+        ValueError,
+        zipfile.BadZipFile,
+        StopIteration,
+    ) as error:
         print(f"bench: error: the line cannot be prepared: {error}", file=sys.stderr)
         return 2
     sites, env, pythonpath = line.sites, line.env, line.pythonpath
