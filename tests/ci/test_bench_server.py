@@ -355,3 +355,23 @@ def test_a_gpu_run_whose_official_wheel_is_missing_says_what_to_fetch(
         "upstream/.downloads/sglang-0.0.0-py3-none-any.whl (the official wheel"
         " sglang-0.5.23+carry.36-py3-none-any.whl was built from): run `carry fetch sglang`"
     )
+
+
+def test_a_gpu_line_is_the_official_wheel_and_the_patched_one_unpacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wheels = {"pristine": tmp_path / "sglang-0.5.23-py3-none-any.whl"}
+    wheels["patched"] = tmp_path / "sglang-0.5.23+carry.36-py3-none-any.whl"
+    for tree, wheel in wheels.items():
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr("sglang/which.py", f"TREE = {tree!r}\n")
+    monkeypatch.setattr(bench, "official_wheel_of", lambda patched: wheels["pristine"])
+    monkeypatch.setattr(bench, "gpu_count", lambda: 2)
+    out = tmp_path / "out"
+    line = bench.prepare_gpu(wheels["patched"], Path("/gpu/bin/python"), out, {"PATH": "/bin"})
+    assert line.version == "0.5.23" and line.gpus == 2 and line.python == Path("/gpu/bin/python")
+    for tree, site in line.sites.items():
+        assert (site / "sglang" / "which.py").read_text() == f"TREE = {tree!r}\n"
+    # Nothing of the CPU engine; the venv serves its own requirements.
+    assert line.pythonpath == [] and "SGLANG_USE_CPU_ENGINE" not in line.env
+    assert line.env == {"PATH": "/bin", "TORCH_EXTENSIONS_DIR": str(out / "torch-extensions")}
