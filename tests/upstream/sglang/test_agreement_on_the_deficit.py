@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any
 from unittest import mock
 
@@ -205,9 +206,61 @@ def _first_step_after_a_lone_prefill(h: sh.Harness, rank: int, loop: str) -> dic
     }
 
 
+class _NoArrivals:
+    """The request receiver (its ZMQ sockets and the TP broadcast of what arrived): nothing
+    arrives."""
+
+    def recv_requests(self, local_reqs: list[Any] | None = None) -> list[Any]:
+        return list(local_reqs or [])
+
+
+def _start_an_iteration(h: sh.Harness) -> None:
+    """What every event loop does first in an iteration: the real `Scheduler.ingest_requests`,
+    nothing arriving (the requests a test queues itself). The ranks it reads are the event loop
+    driver's (built first); dispatching what arrived is left out, as nothing did."""
+    with mock.patch.multiple(
+        h.scheduler,
+        create=True,
+        request_receiver=_NoArrivals(),
+        _deferred_input_requests=[],
+        _poll_timeout_aborts=lambda: [],
+        process_input_requests=lambda recv_reqs: None,
+    ):
+        h.scheduler.ingest_requests()
+
+
+def _prefill_server_round_after_idle(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """What a PD prefill server's loop does (event_loop_normal_disagg_prefill): each iteration
+    starts in `ingest_requests` and admits through `get_new_batch_prefill`, never through
+    `get_next_batch_to_run`. A round runs on both ranks; both go idle (on_idle); then rank 0's
+    co-tenants hold memory, drifting at every reading, and a request arrives that the agreed
+    ledger admits. Every rank must admit it by the ledger (rank 0's allocation may then miss, put
+    back alike); read by each rank's own drifting reading, rank 0 admits nothing and the ranks
+    part (rank 0 reaches no vote, rank 1 waits in its)."""
+    EventLoopDriver(h)  # the loop's ranks, for ingest_requests
+    assert h.physical is not None
+    rounds = [_admitting_round(h, 0)]
+    h.scheduler._release_agreed_free_space()  # on_idle, fully idle on both ranks
+    if rank == 0:
+        h.physical.drift(_drifting(h.physical.uniform() - 8))
+    _start_an_iteration(h)
+    h.add_request(_prompt(1, 40))
+    try:
+        batch = h.run_round()
+        rounds.append(None if batch is None else [r.rid for r in batch.reqs])
+    except Exception as error:  # a rank's scheduler stopping
+        rounds.append(type(error).__name__)
+    return {
+        "rounds": rounds,
+        "unwinds": sh.num_prefill_unwinds(h),
+        "divergences": h.scheduler.num_prefill_divergences,
+    }
+
+
 SCENARIOS: dict[str, Any] = {
     "tp_idle_on_one_rank": _idle_on_one_rank,
     "tp_put_back_then_idle": _put_back_then_idle,
+    "tp_prefill_server_after_idle": _prefill_server_round_after_idle,
     **{
         f"loop_idle_on_one_rank_{loop}": functools.partial(_loop_idle_on_one_rank, loop=loop)
         for loop in LOOPS
@@ -218,6 +271,7 @@ SCENARIOS: dict[str, Any] = {
     },
 }
 CONFIGS = {
+    "tp_prefill_server_after_idle": LOOPS["normal"][1],
     **{f"loop_idle_on_one_rank_{loop}": LOOPS[loop][1] for loop in LOOPS},
     **{f"loop_first_step_{loop}": LOOPS[loop][1] for loop in LOOPS},
 }
@@ -232,6 +286,50 @@ def test_a_rank_idle_alone_makes_no_collective_its_peer_does_not(two_ranks: TwoR
     ranks = two_ranks.scenario("tp_idle_on_one_rank")
     assert ranks[0]["collectives"] == ranks[1]["collectives"]
     assert ranks[0]["rounds"] == ranks[1]["rounds"] and None not in ranks[0]["rounds"]
+
+
+def test_a_prefill_server_reads_the_ledger_again_after_it_was_idle(two_ranks: TwoRanks) -> None:
+    """The PD prefill loops' iteration after an idle one admits by the agreed ledger on every
+    rank: the same outcome on both (run, or put back after rank 0's miss), never a round the
+    ranks admitted apart."""
+    ranks = two_ranks.scenario("tp_prefill_server_after_idle")
+    assert ranks[0] == ranks[1], ranks
+    assert ranks[0]["rounds"][1] in (["r1"], None) and ranks[0]["divergences"] == 0, ranks
+
+
+def test_an_iteration_reads_the_ledger_again_from_its_first_call() -> None:
+    """After on_idle (each pool reads its real free space, for the leak check), the first call
+    of every event loop's iteration, `ingest_requests`, hands the agreed ledger back, before any
+    decision of the iteration; so does a vote."""
+    with sh.build_harness(elastic=True, **LOOPS["normal"][1]) as h:
+        EventLoopDriver(h)
+        assert h.physical is not None
+        allocator = h.token_to_kv_pool_allocator
+        h.physical.take(100)  # co-tenants hold 100 tokens: the agreed deficit
+        _admitting_round(h, 0)
+        uniform = h.physical.uniform()
+        assert allocator.available_size() == uniform - 100
+        h.scheduler._release_agreed_free_space()
+        h.physical.take(150)
+        assert allocator.available_size() == uniform - 150  # the real reading, while idle
+        _start_an_iteration(h)
+        assert allocator.available_size() == uniform - 100
+        agreement = h.scheduler._prefill_agreement
+        agreement.read_real_while_idle()
+        agreement.agree()
+        assert allocator.available_size() == uniform - 150  # the new vote's deficit
+
+
+def test_every_event_loop_starts_its_iteration_in_ingest_requests() -> None:
+    """Where the ledger is handed back must be reached by every loop a scheduler can run: each
+    `event_loop_*` of the Scheduler (normal, overlap, PD prefill and decode, PP, multiplexing)
+    calls `ingest_requests`."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    loops = {name: getattr(Scheduler, name) for name in dir(Scheduler) if name.startswith("event_loop")}
+    assert {"event_loop_normal", "event_loop_overlap", "event_loop_normal_disagg_prefill"} <= set(loops)
+    missing = [name for name, loop in loops.items() if "self.ingest_requests(" not in inspect.getsource(loop)]
+    assert missing == []
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -146,6 +146,28 @@ def test_a_checkpoint_behind_backups_in_flight_waits_for_them_and_is_taken() -> 
     assert leaks == []
 
 
+def test_the_rescue_evicts_after_the_wait_whatever_this_rank_counted() -> None:
+    """The number of acks a rank reaps is its own (a backup that found no host memory on one
+    rank queued none there; upstream's writing_check says so), so the rescue must not decide on
+    it: after the wait it evicts and retries on every rank. Here the wait does its real work but
+    reports 0 acks, as a rank whose acks were counted elsewhere would: the checkpoint is still
+    taken."""
+    with sh.build_harness(**CONFIG) as h:
+        req, batch = _running_request(h)
+        _fill_with_backed_up_prefixes(h)
+        wait = h.tree_cache.finish_write_through_in_flight
+
+        def wait_counting_nothing() -> int:
+            wait()
+            return 0
+
+        h.tree_cache.finish_write_through_in_flight = wait_counting_nothing
+        seen = _checkpoint(h, req)
+        leaks = _decode_then_finish(h, req, batch)
+    assert (seen["rescued"], seen["skipped"], seen["prompt_cached"]) == (1, 0, PROMPT_TOKENS)
+    assert leaks == []
+
+
 def test_the_last_backup_in_flight_is_waited_for() -> None:
     """Only the node whose backup went last can be evicted once its copy lands (the others are
     held by requests that matched them): a wait that stops one ack short finds nothing."""

@@ -85,11 +85,51 @@ def _eager_ping_pong(h: sh.Harness, rank: int) -> dict[str, Any]:
     return _start_up(h)
 
 
+def _speculative(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """`--speculative-algorithm EAGLE`: its draft and verify steps allocate after the decode vote,
+    and a miss there cannot be given back (upstream's crash, group-wide)."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    spec = types.SimpleNamespace(speculative_algorithm="EAGLE")
+    with (
+        mock.patch.object(h.scheduler, "spec_algorithm", SpeculativeAlgorithm.from_string("EAGLE")),
+        mock.patch("sglang.srt.managers.scheduler.get_spec", return_value=spec),
+    ):
+        return _start_up(h)
+
+
+def _dllm(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """`--dllm-algorithm`: get_new_batch_dllm allocates its batches with no vote and no unwind."""
+    exec_args = types.SimpleNamespace(
+        dllm=types.SimpleNamespace(dllm_algorithm="LowConfidence"),
+        mamba=types.SimpleNamespace(enable_mamba_extra_buffer_lazy=False),
+    )
+    with (
+        mock.patch.object(h.scheduler, "dllm_config", object()),
+        mock.patch("sglang.srt.managers.scheduler.get_exec", return_value=exec_args),
+    ):
+        return _start_up(h)
+
+
+def _hicache_buffer_mode(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """`--hicache-host-memory-mode buffer_only`: the buffer pipeline's load-backs allocate device
+    memory outside the agreed load-back."""
+    memory = types.SimpleNamespace(hicache_host_memory_mode="buffer_only")
+    with (
+        mock.patch.object(h.scheduler, "enable_hierarchical_cache", True),
+        mock.patch("sglang.srt.managers.scheduler.get_memory", return_value=memory),
+    ):
+        return _start_up(h)
+
+
 SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_pd_decode": _pd_decode,
     "tp_pd_prefill": _pd_prefill,
     "tp_lazy_ping_pong": _lazy_ping_pong,
     "tp_eager_ping_pong": _eager_ping_pong,
+    "tp_speculative": _speculative,
+    "tp_dllm": _dllm,
+    "tp_hicache_buffer_mode": _hicache_buffer_mode,
 }
 CONFIGS = {
     "tp_lazy_ping_pong": {"mamba": True, "ping_pong": True},
@@ -117,6 +157,23 @@ def test_lazy_mamba_ping_pong_slots_from_a_rank_local_pool_are_refused_by_name(t
     assert refused is not None and "--mamba-radix-cache-strategy extra_buffer_lazy" in refused, ranks[0]
 
 
+@pytest.mark.parametrize(
+    ("name", "flag"),
+    [
+        ("tp_speculative", "--speculative-algorithm EAGLE"),
+        ("tp_dllm", "--dllm-algorithm LowConfidence"),
+        ("tp_hicache_buffer_mode", "--hicache-host-memory-mode buffer_only"),
+    ],
+)
+def test_modes_allocating_outside_the_votes_are_refused_at_start_up_by_name(
+    two_ranks: TwoRanks, name: str, flag: str
+) -> None:
+    ranks = two_ranks.scenario(name)
+    assert ranks[0] == ranks[1]
+    refused = ranks[0]["refused"]
+    assert refused is not None and flag in refused and "with 2 ranks scheduling together" in refused, ranks[0]
+
+
 def test_a_pd_prefill_server_and_eager_ping_pong_slots_start(two_ranks: TwoRanks) -> None:
     """A PD prefill server admits in prefill rounds, which the ranks agree on; eager ping-pong
     slots come with the admitted request. Both start, with the agreement."""
@@ -130,3 +187,6 @@ def test_one_rank_alone_is_never_refused() -> None:
         assert _pd_decode(h, 0) == {"refused": None, "agreed": True}
     with sh.build_harness(elastic=True, mamba=True, ping_pong=True) as h:
         assert _lazy_ping_pong(h, 0) == {"refused": None, "agreed": True}
+    with sh.build_harness(elastic=True) as h:
+        for mode in (_speculative, _dllm, _hicache_buffer_mode):
+            assert mode(h, 0) == {"refused": None, "agreed": True}, mode.__name__

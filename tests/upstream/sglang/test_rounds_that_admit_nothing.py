@@ -112,18 +112,47 @@ def _only_a_grammar_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]
             driver.run(8)
     return {
         "first_finished": first.finished(),
-        "agreed_a_deficit": getattr(agreement, "agreed_a_deficit", None),  # None: before the entry
         "votes_while_the_grammar_waited": votes[0] - votes_before,
+    }
+
+
+def _one_rank_admits_nothing(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
+    """Rank 1's own reading of its free space (its uniform one) is lower than rank 0's, as
+    kvcached's quarantine or a shrink on one GPU makes it: rank 0 admits the request, rank 1
+    nothing. DIVERGED is the safety net, and every rank must reach it alike: both put the round
+    back, both count it, and the third such round stops both with PrefillRankDivergence, by name.
+    A rank that votes only where it admitted leaves its peer alone in the vote, or a divergence
+    seen by one rank only, and the ranks part (a hang)."""
+    driver: EventLoopDriver = LOOPS[loop][0](h)
+    assert h.physical is not None
+    if rank == 1:
+        own_reading = h.physical.uniform
+        lowered = lambda: own_reading() - (h.cfg.kv_tokens - 16)  # noqa: E731
+        h.physical.uniform = lowered
+        h.token_to_kv_pool_allocator.uniform_available_size = lowered
+    _queue(h, 0, 64, max_new_tokens=4)
+    stopped = None
+    try:
+        with sim.strict_idle_check_off():
+            driver.run(6)
+    except Exception as error:  # the scheduler stopping
+        stopped = type(error).__name__
+    return {
+        "stopped": stopped,
+        "iterations": len(driver.iterations),
+        "divergences": h.scheduler.num_prefill_divergences,
     }
 
 
 SCENARIOS = {
     **{f"third_waits_{loop}": functools.partial(_third_request_waits, loop=loop) for loop in LOOPS},
     **{f"grammar_waits_{loop}": functools.partial(_only_a_grammar_waits, loop=loop) for loop in LOOPS},
+    **{f"admits_apart_{loop}": functools.partial(_one_rank_admits_nothing, loop=loop) for loop in LOOPS},
 }
 CONFIGS = {
     **{f"third_waits_{loop}": {**LOOPS[loop][1], "req_rows": 2} for loop in LOOPS},
     **{f"grammar_waits_{loop}": LOOPS[loop][1] for loop in LOOPS},
+    **{f"admits_apart_{loop}": LOOPS[loop][1] for loop in LOOPS},
 }
 
 
@@ -149,9 +178,19 @@ def test_a_round_that_admits_nothing_beside_running_requests_makes_no_vote(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_a_round_whose_only_work_is_a_grammar_makes_no_agreement(two_ranks: TwoRanks, loop: str) -> None:
-    """Even where the ranks agreed a deficit, a round with nothing queued agrees nothing afresh: a
-    grammar that compiles admits nothing whatever the ledger."""
+def test_a_round_whose_only_work_is_a_grammar_votes_alike(two_ranks: TwoRanks, loop: str) -> None:
+    """A round whose only work is a grammar compiling can admit a request on every rank once the
+    grammar is ready (the ranks learn that together), so it is settled: every rank votes in
+    every such round, IDLE on both, nothing run and nothing put back."""
     ranks = two_ranks.scenario(f"grammar_waits_{loop}")
     assert ranks[0] == ranks[1]
-    assert ranks[0] == {"first_finished": True, "agreed_a_deficit": True, "votes_while_the_grammar_waited": 0}
+    assert ranks[0] == {"first_finished": True, "votes_while_the_grammar_waited": 8}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_ranks_that_admit_apart_read_the_divergence_alike_and_stop_by_name(
+    two_ranks: TwoRanks, loop: str
+) -> None:
+    ranks = two_ranks.scenario(f"admits_apart_{loop}")
+    assert ranks[0] == ranks[1], ranks
+    assert ranks[0]["stopped"] == "PrefillRankDivergence" and ranks[0]["divergences"] == 3, ranks
