@@ -18,6 +18,10 @@ from sglang_carry.errors import CarryError
 from sglang_carry.project import Project
 from sglang_carry.trees import default_tree, tree_env_var
 
+# An allocation from a rank-local pool that no vote of the ranks' agreement covers fails the test
+# that makes it (a server counts and logs it): a new unagreed path is found the first time it runs.
+os.environ.setdefault("SGLANG_RANK_AGREEMENT_STRICT", "1")
+
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = Project(ROOT)
 NAMES = sorted(PROJECT.pins())

@@ -593,6 +593,16 @@ class PhysicalMemory:
         self.taken = lambda: next(readings)
 
 
+def settled_by_earlier_rounds() -> contextlib.AbstractContextManager[Any]:
+    """What a test lays down directly (a cached prefix) stands for what earlier agreed rounds left:
+    the agreement's watch of rank-local pools, where the tree has one, counts it as agreed."""
+    try:
+        from sglang.srt.mem_cache.rank_agreement import agreed_allocation
+    except ImportError:  # a tree without the watch
+        return contextlib.nullcontext()
+    return agreed_allocation("test setup")
+
+
 @dataclass
 class Harness:
     cfg: HarnessConfig
@@ -939,12 +949,13 @@ class Harness:
         device and admission locks it (`_req_inc_lock_ref`, schedule_policy.py:1092-1094).
         With hicache (write_through) the insert also starts the D2H backup."""
         assert len(token_ids) % self.cfg.page_size == 0, "whole pages only"
-        indices = self.token_to_kv_pool_allocator.alloc(len(token_ids))
-        assert indices is not None, "KV pool too small for the prefix"
-        mamba_value = None
-        if self.cfg.mamba:
-            mamba_value = self.req_to_token_pool.mamba_allocator.alloc(1)
-            assert mamba_value is not None, "no Mamba slot for the prefix"
+        with settled_by_earlier_rounds():
+            indices = self.token_to_kv_pool_allocator.alloc(len(token_ids))
+            assert indices is not None, "KV pool too small for the prefix"
+            mamba_value = None
+            if self.cfg.mamba:
+                mamba_value = self.req_to_token_pool.mamba_allocator.alloc(1)
+                assert mamba_value is not None, "no Mamba slot for the prefix"
         key = RadixKey(token_ids=array("q", token_ids))
         self.tree_cache.insert(InsertParams(key=key, value=indices, mamba_value=mamba_value))
         self.flush_pending_backups()
