@@ -21,6 +21,9 @@ from sglang_carry.trees import default_tree, tree_env_var
 # An allocation from a rank-local pool that no vote of the ranks' agreement covers fails the test
 # that makes it (a server counts and logs it): a new unagreed path is found the first time it runs.
 os.environ.setdefault("SGLANG_RANK_AGREEMENT_STRICT", "1")
+# Upstream's rank-consensus checker: its decorators are made at import, so before sglang is imported;
+# it compares nothing until a two-rank test configures it (forked_ranks.rank_consensus_checked).
+os.environ.setdefault("SGLANG_ENABLE_RANK_CONSENSUS_CHECKER", "1")
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = Project(ROOT)

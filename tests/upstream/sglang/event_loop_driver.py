@@ -7,6 +7,7 @@ One `EventLoopDriver.step()` is one pass of `event_loop_normal`'s body (schedule
 0.5.23), with the same calls in the same order and the same updates of `running_batch`,
 `cur_batch_for_debug` and `last_batch`:
 
+    self.ingest_requests()
     plan = self.get_next_batch_to_run(running_batch=self.running_batch, last_batch=self.last_batch)
     self.running_batch = plan.running_batch
     batch = plan.batch_to_run
@@ -15,8 +16,11 @@ One `EventLoopDriver.step()` is one pass of `event_loop_normal`'s body (schedule
     else: self._sched_idled = True; self.on_idle()
     self.last_batch = batch
 
-The receive step (`ingest_requests`) is left out: a test queues its requests itself
-(`Harness.add_request`) between steps, where the loop would have received them.
+The receive step is the real `ingest_requests` (every loop's first call: it hands the agreed
+ledger back after an idle iteration, dispatches what arrived, runs the pending flushes), at a
+request receiver where nothing arrives (`NoArrivals`, in place of the ZMQ sockets and the TP
+broadcast): a test queues its requests itself (`Harness.add_request`) between steps, where the
+loop would have received them.
 
 The only fake is the model forward: `Scheduler.model_worker` (the TP worker `run_batch` calls,
 scheduler.py:5717) is a `FixedTokenWorker` whose `forward_batch_generation` returns, in the
@@ -239,12 +243,12 @@ class EventLoopDriver:
         return self._end(batch)
 
     def _next_batch(self) -> tuple[Iteration | None, ScheduleBatch | None]:
-        """The head of both loops' iteration, without receiving requests: (the PAUSED iteration,
+        """The head of both loops' iteration, nothing arriving: (the PAUSED iteration,
         None) where the engine is paused, else (None, the batch get_next_batch_to_run planned)."""
         s = self.scheduler
         if s.gracefully_exit:
             raise LoopExited("the scheduler was asked to exit (gracefully_exit)")
-        # self.ingest_requests(): the test queues its requests itself.
+        s.ingest_requests()  # nothing arrives: the test queues its requests itself
         if s._engine_paused:
             s._record_scheduler_state_for_paused_engine()
             it = Iteration("PAUSED", ())
@@ -372,6 +376,14 @@ class StreamContextStandIn:
 # --------------------------------------------------------------------------------------------
 # What __init__ would have set
 # --------------------------------------------------------------------------------------------
+class NoArrivals:
+    """The scheduler's request receiver (its ZMQ sockets and the TP broadcast of what arrived), at
+    which nothing arrives but what the scheduler itself hands it (rank 0's timeout aborts)."""
+
+    def recv_requests(self, local_reqs: list[Any] | None = None) -> list[Any]:
+        return list(local_reqs or [])
+
+
 class _Installer:
     """Sets what the loop reads and the harness did not: each name once, listed in `names`."""
 
@@ -556,6 +568,7 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
         "sglang.srt.model_executor.model_runner_components.ngram_embedding_manager", "NgramEmbeddingManager"
     )
     SessionController = _upstream("sglang.srt.session.session_controller", "SessionController")
+    SchedulerFlushWrapper = _upstream(f"{components}.flush_wrapper", "SchedulerFlushWrapper")
 
     s = h.scheduler
     if s.enable_overlap and not driver.overlap:
@@ -626,6 +639,25 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
     i.set("forward_ct", lambda: 0, by="init_running_status")
     i.set("return_health_check_ipcs", collections.deque, by="init_running_status")
     i.set("session_controller", lambda: SessionController(s.tree_cache), by="init_running_status")
+    # -- what ingest_requests reads (the loop's first call): the request receiver is the I/O
+    #    boundary (ZMQ sockets and the TP broadcast of what arrived), here one at which nothing
+    #    arrives: a test queues its requests between iterations, where they would have arrived.
+    i.set("request_receiver", NoArrivals, by="init_request_receiver")
+    i.set("_deferred_input_requests", list, by="init_running_status")  # 0.5.23
+    i.set(
+        "flush_wrapper",
+        lambda: sh._construct(
+            SchedulerFlushWrapper,
+            flush_cache=s.flush_cache,
+            is_fully_idle=s.is_fully_idle,
+            send_output=getattr(s, "send_control_output", None),
+            # Up to 0.5.21 it answers a flush that waited on the ZMQ channels, the I/O boundary:
+            # no flush is requested here.
+            ipc_channels=getattr(s, "ipc_channels", None),
+        ),
+        by="init_running_status",
+    )
+    i.set("external_corpus_manager", lambda: None, by="maybe_init_draft_worker")  # no speculative
     i.set("forward_sleep_time", lambda: None, by="init_running_status")
     i.set("_engine_paused", lambda: False, by="init_running_status")
     # -- IPC (init_ipc_channels :974) and idle sleep (init_idle_sleeper :999) ------------------

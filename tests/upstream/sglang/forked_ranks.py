@@ -6,6 +6,7 @@ would re-import them for 10-30 s. Nothing distributed may be initialized in this
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -13,9 +14,11 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,41 @@ PEER_GRACE_S = 2.0
 class RankResults(NamedTuple):
     results: dict[int, Any]  # rank -> what the body returned
     errors: list[str]  # a rank's traceback, or the ranks that hung
+
+
+class ConsensusVerdict(NamedTuple):
+    """What upstream's rank-consensus checker found on this rank: the message it logs where the
+    ranks' recorded decisions differed (it then ends the process; here the block ends instead)."""
+
+    divergences: list[str]
+
+
+@contextlib.contextmanager
+def rank_consensus_checked(groups: list[Any]) -> Iterator[ConsensusVerdict]:
+    """Upstream's own rank-consensus checker (utils/rank_consensus_checker.py) over `groups` for
+    the block, on every rank of the world alike: every `@rank_consensus` call of the radix cache
+    and the SWA allocator is compared across the ranks by its background gloo groups, and flushed
+    when the block ends. Its decorators exist only where SGLANG_ENABLE_RANK_CONSENSUS_CHECKER was
+    set before sglang was imported (tests/upstream/conftest.py does). Upstream ends the process
+    on a divergence (os._exit from its thread); here it is recorded in the verdict and its thread
+    ends, so the test decides: none where the ranks must agree, one where the divergence is the
+    scenario's own."""
+    from sglang.srt.utils import rank_consensus_checker as checker
+
+    verdict = ConsensusVerdict([])
+
+    def end_thread(status: int) -> None:
+        raise SystemExit(status)
+
+    with (
+        mock.patch.object(checker.logger, "critical", verdict.divergences.append),
+        mock.patch.object(checker, "os", types.SimpleNamespace(_exit=end_thread)),
+    ):
+        checker.configure([types.SimpleNamespace(cpu_group=group) for group in groups])
+        try:
+            yield verdict
+        finally:
+            checker.shutdown()
 
 
 def _rank_main(

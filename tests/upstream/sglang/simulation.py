@@ -34,6 +34,7 @@ import os
 import random
 import shlex
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -182,9 +183,12 @@ def _group_name(group: Any) -> str:
 
 @contextlib.contextmanager
 def recording_collectives(record: list[Collective]) -> Iterator[None]:
-    """Wrap torch.distributed's collectives for the block: each call is appended to `record`
-    (function, group, reduce op, shape, dtype) before it runs."""
+    """Wrap torch.distributed's collectives for the block: each call this thread makes (the
+    scheduler's; not those of upstream's rank-consensus checker, which compares on a thread and
+    groups of its own) is appended to `record` (function, group, reduce op, shape, dtype) before it
+    runs."""
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    scheduler_thread = threading.current_thread()
 
     def wrap(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(real)
@@ -193,6 +197,8 @@ def recording_collectives(record: list[Collective]) -> Iterator[None]:
             if name == "all_gather" and args and isinstance(args[0], list):
                 tensor = args[1] if len(args) > 1 else kwargs.get("tensor")
             op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
+            if threading.current_thread() is not scheduler_thread:
+                return real(*args, **kwargs)
             record.append(
                 (
                     name,

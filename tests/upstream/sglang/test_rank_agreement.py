@@ -99,6 +99,13 @@ RANKS = 2
 
 
 SCENARIO_ERROR = "error"  # a scenario that raised on a rank: its traceback
+# Per scenario, whether upstream's rank-consensus checker found the ranks' decisions apart.
+CONSENSUS = "rank consensus checker fired"
+# Scenarios that make the ranks' trees differ on purpose (the series' safety net, DIVERGED, is what
+# they test): the checker must find that divergence. (Where the ranks differ only in their extend
+# ranges, tp_chunk_sizes_differ, or in what their own readings admit, test_rounds_that_admit_nothing,
+# no @rank_consensus call differs: the series' vote finds it, upstream's checker does not.)
+EXPECTED_DIVERGENCE = frozenset({"tp_trees_differ", "tp_admitted_apart"})
 
 
 RANK_TIMEOUT_S = 180  # join limit; the collectives themselves time out after 30 s
@@ -335,6 +342,24 @@ def _rank_body(
         singles = [dist.new_group([r], backend="gloo") for r in range(RANKS)]
         assert world is not pair
 
+        def checked(name: str) -> dict[str, Any]:
+            """The scenario under upstream's rank-consensus checker over its attention groups: a
+            divergence it finds fails the scenario, unless the scenario makes the ranks' trees or
+            admissions differ on purpose (EXPECTED_DIVERGENCE), where it is recorded instead."""
+            topology = "tp" if name in scenarios else RANK_SCENARIOS[name].topology
+            groups = _groups(topology, rank, world, pair, singles)
+            # What Scheduler.init_rank_consensus_checker gives it: the attention-CP and -TP groups
+            # (under DP attention each rank's own, so nothing is compared).
+            attention = [groups["attn_cp_cpu_group"], groups["attn_tp_cpu_group"]]
+            with forked_ranks.rank_consensus_checked(attention) as verdict:
+                result = run(name)
+            consensus[name] = bool(verdict.divergences)
+            if verdict.divergences and name not in EXPECTED_DIVERGENCE:
+                raise AssertionError(
+                    f"upstream's rank-consensus checker found rank divergence: {verdict.divergences[0][:2000]}"
+                )
+            return result
+
         def run(name: str) -> dict[str, Any]:
             if name in scenarios:
                 groups = _groups("tp", rank, world, pair, singles)
@@ -354,12 +379,14 @@ def _rank_body(
                     return _rank_scenario(h, rank, scenario)
 
         out: dict[str, Any] = {}
+        consensus: dict[str, bool] = {}
         for name in names:
             try:
-                out[name] = run(name)
+                out[name] = checked(name)
             except Exception:  # this scenario's tests fail with it; the others still run
                 out[name] = {SCENARIO_ERROR: traceback.format_exc()}
             dist.barrier(group=world)  # a hung scenario shows up as a timeout here
+        out[CONSENSUS] = consensus
         return out
 
     return body
@@ -368,6 +395,11 @@ def _rank_body(
 class TwoRanks(NamedTuple):
     results: dict[int, dict[str, Any]]  # rank -> scenario name -> what _rank_scenario saw
     errors: list[str]  # a rank's traceback, or a hang
+
+    def checker_fired(self, name: str) -> dict[int, bool]:
+        """Per rank, whether upstream's rank-consensus checker found a divergence in `name`."""
+        assert not self.errors, "\n".join(self.errors)
+        return {rank: result[CONSENSUS][name] for rank, result in self.results.items()}
 
     def scenario(self, name: str) -> dict[int, dict[str, Any]]:
         assert not self.errors, "\n".join(self.errors)
@@ -1334,3 +1366,11 @@ def test_a_rank_local_pool_that_cannot_be_counted_alike_is_refused_by_name() -> 
             ValueError, match=r"TokenToKVPoolAllocator.* declares rank_local_capacity but (has no|lacks)"
         ):
             h.scheduler._prefill_agreement  # noqa: B018  (the property is what refuses)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_DIVERGENCE & set(MULTI_ROUND_SCENARIOS)))
+def test_upstreams_checker_finds_the_divergence_a_scenario_makes_on_purpose(two_ranks: TwoRanks, name: str) -> None:
+    """The negative control of upstream's rank-consensus checker, which every two-rank scenario
+    here runs under (a divergence it finds elsewhere fails that scenario): where the ranks' trees,
+    chunk sizes or admissions differ on purpose, both ranks' checkers find it."""
+    assert two_ranks.checker_fired(name) == {0: True, 1: True}

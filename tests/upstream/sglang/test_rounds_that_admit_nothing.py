@@ -194,3 +194,6 @@ def test_ranks_that_admit_apart_read_the_divergence_alike_and_stop_by_name(
     ranks = two_ranks.scenario(f"admits_apart_{loop}")
     assert ranks[0] == ranks[1], ranks
     assert ranks[0]["stopped"] == "PrefillRankDivergence" and ranks[0]["divergences"] == 3, ranks
+    # Upstream's rank-consensus checker (on for every two-rank scenario) does not see it: the
+    # ranks' @rank_consensus calls are alike; only their admission differs, which the vote sees.
+    assert two_ranks.checker_fired(f"admits_apart_{loop}") == {0: False, 1: False}
