@@ -269,7 +269,8 @@ def test_hook_counts_the_agreements_all_reduces_and_saves_the_last_ones_soon(tmp
 
 def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tmp_path: Path) -> None:
     """Each call of get_next_batch_to_run is one loop iteration; the agreement's all-reduces made
-    inside one that ran no prefill batch are counted, a decode step's vote aside."""
+    inside one that ran no prefill batch with nothing queued at its start (no rank could admit)
+    are counted, a decode step's vote aside."""
 
     class Mode:
         def __init__(self, extend: bool) -> None:
@@ -290,8 +291,12 @@ def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tm
         def _prefill_agreement(self) -> Agreement:
             return Agreement(lambda vote: None)
 
+        def __init__(self) -> None:
+            self.waiting_queue: list[str] = []
+            self.chunked_req = None
+
         def get_next_batch_to_run(self, running_batch: Any, last_batch: Any) -> Any:
-            votes, decode_vote, extend, running = running_batch
+            votes, decode_vote, extend, running, _ = running_batch
             for _ in range(votes):
                 self._prefill_agreement.reduce([0])
             if decode_vote:
@@ -307,20 +312,22 @@ def test_hook_counts_the_all_reduces_of_loop_iterations_that_admitted_nothing(tm
     assert "get_next_batch_to_run" in hook.wrap_scheduler(Scheduler, injector)
     scheduler = Scheduler()
     iterations = [
-        (1, False, True, 0),  # a prefill round admitted: its vote is not counted
-        (1, False, None, 2),  # a round that admitted nothing beside two running, its vote: counted
-        (0, True, False, 2),  # a decode step's vote: not counted
-        (2, True, False, 2),  # a decode step after a round that admitted nothing (two all-reduces)
-        (1, False, None, 0),  # nothing admitted, nothing running: the ranks agreed afresh, counted
-        (0, False, None, 0),  # idle: nothing
+        (1, False, True, 0, ["a"]),  # a prefill round admitted: its vote is not counted
+        (1, False, None, 2, ["b"]),  # queued, nothing admitted beside two running: settled, not counted
+        (1, False, None, 2, []),  # nothing queued, nothing admitted, yet a vote: counted
+        (0, True, False, 2, []),  # a decode step's vote: not counted
+        (2, True, False, 2, []),  # a decode step after a round with nothing queued (two all-reduces)
+        (1, False, None, 0, []),  # nothing queued, admitted or running, a vote: counted
+        (0, False, None, 0, []),  # idle: nothing
     ]
     for iteration in iterations:
+        scheduler.waiting_queue = iteration[4]
         plan = scheduler.get_next_batch_to_run(iteration, None)
         assert plan.running_batch.requests == iteration[3]  # the plan is passed on as it is
-    assert injector.counts["iterations"] == 6
+    assert injector.counts["iterations"] == 7
     assert injector.counts["idle_round_all_reduces"] == 4
     assert injector.counts["idle_round_iterations"] == 3
-    assert injector.counts["agreement_all_reduces"] == 7 and injector.counts["decode_votes"] == 2
+    assert injector.counts["agreement_all_reduces"] == 8 and injector.counts["decode_votes"] == 2
 
 
 class Allocator:
@@ -1032,9 +1039,9 @@ def test_a_rank_local_control_shows_credited_steps_and_no_collective_where_nothi
     votes: dict[str, int], idle_all_reduces: dict[str, int], failure: str | None
 ) -> None:
     """A rank-local control run (nothing injected, so the decode credit holds): each rank voted on
-    fewer decode steps than it ran and made no all-reduce in an iteration that admitted nothing,
-    and the verdict says how many of each; a rank that voted on every step, or agreed in an
-    iteration that admitted nothing, fails the run."""
+    fewer decode steps than it ran and made no all-reduce in an iteration that admitted nothing
+    with nothing queued, and the verdict says how many of each; a rank that voted on every step,
+    or agreed in such an iteration, fails the run."""
     run = Run(
         "dense", "tp2-natural-control", "control", tp=2, scenario="natural", started=True, rank_local=True
     )
@@ -1044,7 +1051,7 @@ def test_a_rank_local_control_shows_credited_steps_and_no_collective_where_nothi
     assert run.ok is (failure is None), run.verdict
     tail = (
         f"decode steps 0:40 1:40, decode votes 0:9 1:{votes['1']}; iterations 0:61 1:60,"
-        " all-reduces in iterations that admitted nothing"
+        " all-reduces in iterations that admitted nothing with nothing queued"
         f" 0:0 1:{idle_all_reduces['1']}"
     )
     assert run.verdict == f"{failure or 'all requests finished, no miss'}; {tail}"
@@ -1247,7 +1254,7 @@ def test_the_default_run_proves_each_kind_of_fix_once_within_ci_s_time(
     patched scenario, two ranks where the ranks must agree; few enough servers to fit CI."""
     specs = {spec.name: spec for spec, _ in CPU_PLAN}
     assert chosen_runs(None, None) == list(CPU_DEFAULT_RUNS)
-    assert len(CPU_DEFAULT_RUNS) <= 22 < len(CPU_RUNS)
+    assert len(CPU_DEFAULT_RUNS) <= 23 < len(CPU_RUNS)
     for name in CPU_DEFAULT_RUNS:
         spec = specs[name]
         if spec.kind in COMPARING:
@@ -1306,3 +1313,30 @@ def test_a_rank_local_pool_says_what_cannot_miss_only_in_a_run_that_makes_no_mis
     assert ("Allocator.guaranteed_available_size" in given) is guaranteed
     assert hasattr(Allocator, "guaranteed_available_size") is guaranteed
     assert Allocator().uniform_available_size() == 7  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_the_checkers_negative_control_passes_only_where_the_checker_fired(found: bool) -> None:
+    """tp2-uneven-pristine: the official wheel, its ranks' free space apart, nothing injected; it
+    passes only where upstream's rank-consensus checker logged the divergence."""
+    run = Run("dense", "tp2-uneven-pristine", "pristine", tp=2, started=True, checker_must_fire=True)
+    run.rank_divergence_found, run.server_died = found, found
+    judge(run, [traffic.Outcome("a", False, [])], None)
+    assert run.ok is found, run.verdict
+    assert ("found rank divergence (as expected" in run.verdict) is found
+
+
+@pytest.mark.parametrize("kind", ["control", "patched"])
+def test_a_run_whose_ranks_the_checker_found_apart_fails(kind: str) -> None:
+    """Every two-rank run has upstream's checker on: where it found a divergence, a control or
+    patched run fails, whatever it served."""
+    run = Run("dense", f"tp2-{kind}", kind, tp=2, started=True, rank_local=True)
+    run.rank_divergence_found = True
+    judge(run, [traffic.Outcome("a", True, [1])], {"a": [1]})
+    assert not run.ok and "rank-consensus checker found rank divergence" in run.verdict
+
+
+def test_every_two_rank_run_has_upstreams_checker_on() -> None:
+    two = [spec for spec, _ in CPU_PLAN if spec.tp == 2]
+    assert two and all(("SGLANG_ENABLE_RANK_CONSENSUS_CHECKER", "1") in spec.extra_env for spec in two)
+    assert [spec.name for spec in two if spec.checker_must_fire] == ["tp2-uneven-pristine"]

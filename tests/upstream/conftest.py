@@ -61,3 +61,19 @@ for _name, _tree in TREES.items():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 extension_builds = importlib.import_module("extension_builds")
 extension_builds.install([upstream_tree(n) for n in TREES])
+
+
+# Lines a test leaves for the end of the run's output (the simulation's summary): pytest captures
+# what a test prints, and `./scripts/test -q` shows only the failures.
+SUMMARY_LINES = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture
+def summary_lines(request: pytest.FixtureRequest) -> list[str]:
+    """Lines this test leaves for the end of the run's output."""
+    return request.config.stash.setdefault(SUMMARY_LINES, [])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in terminalreporter.config.stash.get(SUMMARY_LINES, []):
+        terminalreporter.write_line(line)

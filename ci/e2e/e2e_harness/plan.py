@@ -108,6 +108,9 @@ class RunSpec:
     scenario: Scenario = HICACHE
     # HiCache's L3 tier: the file backend in a folder of the run's own (L3_FLAGS).
     l3_storage: bool = False
+    # The negative control of upstream's rank-consensus checker (on in every two-rank run): it must
+    # stop this run's server ("Found rank divergence").
+    checker_must_fire: bool = False
 
     @property
     def control_name(self) -> str:
@@ -123,10 +126,12 @@ class RunSpec:
 
 
 def two_ranks(name: str, kind: str, **more: Any) -> RunSpec:
-    """A --tp-size 2 run on CPU: the pool rank-local on both ranks (as a kvcached pool is), and
-    each rank's OpenMP core named, which sglang's CPU engine requires with more than one rank."""
-    omp = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"),)
-    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=omp, **more)
+    """A --tp-size 2 run on CPU: the pool rank-local on both ranks (as a kvcached pool is), each
+    rank's OpenMP core named, which sglang's CPU engine requires with more than one rank, and
+    upstream's rank-consensus checker on (it stops the server where the ranks' recorded decisions
+    differ)."""
+    env = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"), ("SGLANG_ENABLE_RANK_CONSENSUS_CHECKER", "1"))
+    return RunSpec(name, kind, tp=2, rank_local=True, extra_env=env, **more)
 
 
 def uneven_ranks(name: str, withheld_tokens: int, **more: Any) -> RunSpec:
@@ -156,6 +161,20 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
     (two_ranks("tp2-control", CONTROL), PATCHED),
     (two_ranks("tp2-pristine", PRISTINE, miss_ranks=(1,)), PRISTINE),
     (two_ranks("tp2-patched", PATCHED, miss_ranks=(1,)), PATCHED),
+    # The official wheel on two ranks whose free space differs (rank 0 withholds, drifting), nothing
+    # injected: its ranks evict and admit apart, and upstream's own checker must stop it.
+    (
+        two_ranks(
+            "tp2-uneven-pristine",
+            PRISTINE,
+            miss_ranks=(),
+            withheld_tokens=DRIFT_WITHHELD_TOKENS,
+            withhold_ranks=(0,),
+            withheld_drift=True,
+            checker_must_fire=True,
+        ),
+        PRISTINE,
+    ),
     # As tp2-patched, and rank 0 reports WITHHELD_TOKENS fewer free tokens than it has (a
     # co-tenant of an elastic pool): the ranks' free space differs, so they can admit and evict
     # differently. Kind patched: every request finishes, outputs equal tp2-control's.
@@ -242,14 +261,18 @@ CPU_PLAN: tuple[tuple[RunSpec, str], ...] = (
 CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
 # What `--runs` left out runs (./scripts/test, so every CI run): each series entry's proof on a
 # real server once, pristine dying and patched serving with outputs equal to its control's, on
-# two ranks where the entry is about the ranks agreeing. A run costs a server's start-up, about a
-# minute of imports on 2 cores, whatever it serves: these 22 take about 40 minutes there, and all
+# two ranks where the entry is about the ranks agreeing, and the negative control of upstream's
+# rank-consensus checker. A run costs a server's start-up, about a minute of imports on 2 cores,
+# whatever it serves: these 23 take about 40 minutes there, and all
 # 68 more than CI's 90 (it timed out at the 43rd). The nightly runs every run (`--runs all`).
 CPU_DEFAULT_RUNS = (
     # HiCache with a miss injected while the batch's load is in flight: the prefill unwind, its
     # load wait, the ranks' agreement under drifting readings, and a decode step's miss.
     *(CONTROL, PRISTINE, PATCHED, WITHOUT_LOAD_WAIT),
-    *("tp2-control", "tp2-pristine", "tp2-patched", "tp2-drift", "tp2-decode-pristine", "tp2-decode-patched"),
+    # tp2-uneven-pristine: upstream's rank-consensus checker, on in every two-rank run, must stop
+    # the official wheel whose ranks' free space differs.
+    *("tp2-control", "tp2-pristine", "tp2-patched", "tp2-uneven-pristine", "tp2-drift"),
+    *("tp2-decode-pristine", "tp2-decode-patched"),
     # Upstream's own prefill miss, with a chunk parked behind a decoding request.
     *(f"{ranks}natural-parked-{kind}" for ranks in ("", "tp2-") for kind in (CONTROL, PRISTINE, PATCHED)),
     # A hybrid model's Mamba state loaded back (the load wait with Mamba slots), and its Mamba

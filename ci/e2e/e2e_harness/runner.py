@@ -15,7 +15,7 @@ from . import metrics
 from .plan import ModelPlan, RunSpec
 from .server import HOOK, PeakMemory, Server, free_port, server_command
 from .traffic import REQUEST_TIMEOUT_S, Outcome, drive, timed_out
-from .verdicts import CONTROL, INJECTING, PATCHED, Run, judge, read_counters, take_counters
+from .verdicts import CONTROL, INJECTING, PATCHED, RANK_DIVERGENCE, Run, judge, read_counters, take_counters
 
 # A run's traffic at most; the misses the hook injects per rank; a server's start-up at most.
 RUN_TIMEOUT_S = 600
@@ -61,6 +61,7 @@ def run_once(
         l3_storage=spec.l3_storage,
         rank_local=spec.rank_local,
         mamba_checkpoints=scenario.mamba_checkpoints,
+        checker_must_fire=spec.checker_must_fire,
         log=log,
     )
     counters = out / "counters" / f"{model}-{spec.name}"
@@ -124,6 +125,7 @@ def run_once(
     text = (out / run.log).read_text(errors="replace")
     take_counters(run, read_counters(counters))
     run.unwinds_logged = len(UNWIND_LOG.findall(text))
+    run.rank_divergence_found = RANK_DIVERGENCE in text
     if not run.started:
         outcomes = [
             Outcome(r.key, False, error="server never became healthy") for w in scenario.plan() for r in w

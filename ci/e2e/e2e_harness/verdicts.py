@@ -26,6 +26,8 @@ COMPARING = (PATCHED, WITHOUT_LOAD_WAIT, RECOMPUTE)
 # The pristine scheduler's own exception must be raised where sglang allocates a prefill batch: the
 # allocation helpers (a KV or row miss) or the pools (a Mamba or ping-pong slot assert).
 ALLOCATION_CODE = re.compile(r"sglang/srt/mem_cache/(allocation|memory_pool)\.py:")
+# What upstream's rank-consensus checker logs on every rank before it stops the scheduler.
+RANK_DIVERGENCE = "Found rank divergence"
 # Where a Mamba checkpoint that finds no slot dies upstream (the hybrid natural runs).
 MAMBA_CHECKPOINT_ASSERTION = re.compile(
     r"AssertionError: Can not alloc mamba cache \(raised in \S*sglang/srt/mem_cache/unified_cache/"
@@ -50,6 +52,10 @@ class Run:
     mamba_checkpoints: bool = False
     # The pool marked rank-local on every rank (as a kvcached pool is): the patched ranks agree.
     rank_local: bool = False
+    # Upstream's rank-consensus checker must stop this run (its negative control), and whether it
+    # stopped a run (RANK_DIVERGENCE in the server's log).
+    checker_must_fire: bool = False
+    rank_divergence_found: bool = False
     started: bool = False
     # The server could not bind its HTTP port (taken after it was chosen): the run is started again.
     port_taken: bool = False
@@ -214,9 +220,8 @@ def voted_on_every_decode_step(run: Run) -> bool:
 
 def agreed_in_iterations_that_admitted_nothing(run: Run) -> bool:
     """A rank-local control run whose ranks made agreement all-reduces (decode votes aside) in loop
-    iterations that admitted nothing: the carried scheduler makes none there while requests run,
-    and with nothing running only where the ranks agreed a deficit, which a control (nothing
-    injected, nothing withheld) never has."""
+    iterations that admitted nothing with nothing queued: no rank could admit there, and the
+    carried scheduler makes none."""
     return run.kind == CONTROL and run.rank_local and any(run.idle_round_all_reduces.values())
 
 
@@ -229,6 +234,7 @@ def decode_votes(run: Run) -> str:
     return (
         f"; decode steps {per_rank(run.decode_steps)}, decode votes {per_rank(run.decode_votes)}"
         f"; iterations {per_rank(run.iterations)}, all-reduces in iterations that admitted nothing"
+        " with nothing queued"
         f" {per_rank(run.idle_round_all_reduces)}"
     )
 
@@ -261,6 +267,17 @@ def judge(
         run.ok, run.verdict = False, "the server could not bind its HTTP port (taken since it was chosen)"
     elif not run.started:
         run.ok, run.verdict = False, "the server never became healthy"
+    elif run.checker_must_fire:
+        run.ok = run.rank_divergence_found
+        run.verdict = (
+            "upstream's rank-consensus checker found rank divergence (as expected: the ranks' free"
+            " space differs)"
+            if run.ok
+            else f"upstream's rank-consensus checker found no rank divergence ({run.finished} finished,"
+            f" {run.failed} failed, server died: {run.server_died})"
+        )
+    elif run.rank_divergence_found and run.kind != PRISTINE:
+        run.ok, run.verdict = False, "upstream's rank-consensus checker found rank divergence (server log)"
     elif scenario.injects and run.kind in INJECTING and run.injected_misses == 0:
         run.ok, run.verdict = (
             False,

@@ -131,9 +131,9 @@ class Injector:
             # Parked chunked requests released by a decode step that could not fit its last request.
             "parked_chunk_releases": 0,
             # Event-loop iterations (calls of get_next_batch_to_run), and, among those that ran no
-            # prefill batch (admitted nothing), the agreement's all-reduces other than decode votes
-            # they made, and how many such iterations made any: what a round that admits nothing
-            # costs in collectives.
+            # prefill batch and had nothing queued (no rank could admit), the agreement's
+            # all-reduces other than decode votes they made, and how many such iterations made
+            # any: a round no rank can admit makes none.
             "iterations": 0,
             "idle_round_all_reduces": 0,
             "idle_round_iterations": 0,
@@ -181,12 +181,13 @@ class Injector:
         with self._lock:
             return self.counts["agreement_all_reduces"] - self.counts["decode_votes"]
 
-    def iteration(self, admitted: bool, all_reduces: int) -> None:
-        """One event-loop iteration: whether it ran a prefill batch, and the agreement's
-        all-reduces other than decode votes that it made. Those of an iteration that admitted
-        nothing are counted apart (a saturated server's iterations, or a queue waiting with nothing
-        running: the ranks agree afresh there only where they agreed a deficit)."""
-        counted = 0 if admitted else all_reduces
+    def iteration(self, admitted: bool, queued: bool, all_reduces: int) -> None:
+        """One event-loop iteration: whether it ran a prefill batch, whether anything was queued
+        at its start (a request or a chunk), and the agreement's all-reduces other than decode
+        votes that it made. Those of an iteration that admitted nothing with nothing queued are
+        counted apart: no rank could admit there, and the carried scheduler votes only where one
+        could (a round with requests queued is settled on every rank, admitting or not)."""
+        counted = 0 if admitted or queued else all_reduces
         self.add(
             {
                 "iterations": 1,
@@ -599,11 +600,14 @@ def wrap_scheduler(scheduler_class: type, injector: Injector) -> list[str]:
 
         def get_next_batch_to_run(self: Any, *args: Any, **kwargs: Any) -> Any:
             before = injector.rounds_all_reduces()
+            queued = (
+                bool(getattr(self, "waiting_queue", ())) or getattr(self, "chunked_req", None) is not None
+            )
             plan = next_batch(self, *args, **kwargs)
             batch = getattr(plan, "batch_to_run", plan)
             mode = getattr(batch, "forward_mode", None)
             admitted = mode is not None and bool(mode.is_extend())
-            injector.iteration(admitted, injector.rounds_all_reduces() - before)
+            injector.iteration(admitted, queued, injector.rounds_all_reduces() - before)
             return plan
 
         setattr(scheduler_class, NEXT_BATCH_METHOD, get_next_batch_to_run)

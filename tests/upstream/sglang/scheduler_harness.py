@@ -20,7 +20,8 @@ Fakes sit only at the hardware / I-O boundary:
   The `ModelConfig` is real, read from a tiny Llama config.json; with `mamba=True` the pools
   are hybrid (layer 0 attention, layer 1 Mamba2) and the registry is told `is_hybrid_ssm`.
 - The paged allocator's Triton kernel `alloc_extend_kernel` cannot launch without a GPU driver; it
-  is swapped for upstream's own torch port `alloc_extend_naive` (what the NPU allocator runs).
+  is swapped for upstream's own torch port `alloc_extend_naive` (what the NPU allocator runs), and
+  `alloc_decode_kernel` (launched on every device up to 0.5.21) for `NaiveAllocDecodeKernel`.
 - `cudaHostRegister` of the HiCache host pools (page-locking) is a no-op; the buffers are real.
 - `Harness.arm_miss()` makes one real pool report a miss (its alloc returns None).
 - With `device="cuda"` (tests/gpu/) nothing of the above is faked but the model worker: the
@@ -49,6 +50,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import sys
 import tempfile
 import time
 from array import array
@@ -440,6 +442,34 @@ class NaiveAllocExtendKernel:
         return launch
 
 
+class NaiveAllocDecodeKernel:
+    """Stands in for the Triton `alloc_decode_kernel` (no GPU driver to launch it), which up to
+    0.5.21 the paged allocator launches on every device (paged.py:247 at 0.5.20): a decode row
+    whose new token starts a page takes the next free page, in row order, any other row the slot
+    after its last. That is what upstream's own torch port of the kernel computes from 0.5.22
+    (`alloc_decode_naive`); like the kernel it only fills `out_indices`, the allocator still
+    decides hit or miss and takes the pages."""
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(
+            seq_lens: torch.Tensor,
+            last_loc: torch.Tensor,
+            free_pages: torch.Tensor,
+            out_indices: torch.Tensor,
+            bs_upper: int,
+            page_size: int,
+        ) -> None:
+            starts_a_page = ((seq_lens - 1) % page_size == 0).to(torch.int64)
+            page_rank = torch.cumsum(starts_a_page, 0) - starts_a_page
+            if int(starts_a_page.sum()):
+                first_slot = free_pages[page_rank.clamp(max=len(free_pages) - 1)] * page_size
+                out_indices.copy_(torch.where(starts_a_page.bool(), first_slot, last_loc + 1))
+            else:
+                out_indices.copy_(last_loc + 1)
+
+        return launch
+
+
 def _no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int | None = None) -> None:
     """cudaHostRegister (pool_host/common.py:128-238) page-locks host pools for DMA: a driver
     call with nothing to do on CPU. The host buffer itself is allocated for real."""
@@ -551,6 +581,17 @@ class PhysicalMemory:
             self.mapped_free -= min(self.mapped_free, need_size)
             return real_alloc(need_size, *args, **kwargs)
 
+        # A paged allocator hands out whole pages through alloc_extend / alloc_decode: each takes
+        # the pages upstream's own count says (get_num_new_pages), from the mapped ones first,
+        # and misses where they exceed the real free space.
+        count_pages = getattr(sys.modules[type(allocator).__module__], "get_num_new_pages", None)
+        for name in ("alloc_extend", "alloc_decode"):
+            real_paged = getattr(allocator, name, None)
+            if count_pages is not None and callable(real_paged):
+                setattr(
+                    allocator, name, self._paged(allocator, real_paged, count_pages, name == "alloc_decode")
+                )
+
         # kvcached's rank-local pool interface: its own two readings, and the agreed deficit its
         # available_size() then reads by (None: the real reading).
         self.agreed_deficit: int | None = None
@@ -560,6 +601,25 @@ class PhysicalMemory:
         allocator.available_size = self.reading
         allocator.guaranteed_available_size = self.guaranteed
         allocator.alloc = alloc
+
+    def _paged(
+        self, allocator: Any, real: Callable[..., Any], count_pages: Callable[..., int], decode: bool
+    ) -> Callable[..., Any]:
+        signature = inspect.signature(real)
+
+        def alloc_pages(*args: Any, **kwargs: Any) -> Any:
+            called = signature.bind(*args, **kwargs).arguments
+            lengths: dict[str, Any] = (
+                {"decode": True} if decode else {"prefix_lens": called["prefix_lens_cpu"]}
+            )
+            need = count_pages(seq_lens=called["seq_lens_cpu"], page_size=allocator.page_size, **lengths)
+            need *= allocator.page_size
+            if need > self.available():
+                return None
+            self.mapped_free -= min(self.mapped_free, need)
+            return real(*args, **kwargs)
+
+        return alloc_pages
 
     def agree_deficit(self, deficit: int | None) -> None:
         self.agreed_deficit = deficit
@@ -600,7 +660,8 @@ def settled_by_earlier_rounds() -> contextlib.AbstractContextManager[Any]:
         from sglang.srt.mem_cache.rank_agreement import agreed_allocation
     except ImportError:  # a tree without the watch
         return contextlib.nullcontext()
-    return agreed_allocation("test setup")
+    settled: contextlib.AbstractContextManager[Any] = agreed_allocation("test setup")
+    return settled
 
 
 @dataclass
@@ -1221,6 +1282,9 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
         stack.enter_context(mock.patch.object(cache_controller, "L2TransferEngine", make_engine))
         stack.enter_context(
             mock.patch.object(paged_allocator, "alloc_extend_kernel", NaiveAllocExtendKernel())
+        )
+        stack.enter_context(
+            mock.patch.object(paged_allocator, "alloc_decode_kernel", NaiveAllocDecodeKernel())
         )
         stack.enter_context(mock.patch.object(host_pool_common, "_cuda_host_register", _no_host_register))
 

@@ -159,12 +159,18 @@ def plan(seed: int) -> SimPlan:
         requests=tuple(requests),
         co_tenants=(co_tenants[0], co_tenants[1]),
         copy_landing=landing,
-        # Held-mapped memory (the decode credit) is off: with it, a rank of some seed failed
-        # outside the loop (a gloo collective timeout), not yet diagnosed.
-        mapped=(0, 0),
+        # Held-mapped memory, the decode credit's reading, per rank (drawn apart, as the loop is).
+        mapped=_mapped(seed, kv_tokens),
         # Drawn apart, so that what the seed decides above is the same with either loop.
         overlap=random.Random(f"{seed}-loop").random() < 0.5,
     )
+
+
+def _mapped(seed: int, kv_tokens: int) -> tuple[int, int]:
+    """The tokens each rank holds mapped at the start: none, some or all of its pool."""
+    rng = random.Random(f"{seed}-mapped")
+    first, second = (rng.choice((0, kv_tokens // 8, kv_tokens // 2, kv_tokens)) for _ in range(2))
+    return first, second
 
 
 def _co_tenant_readings(seed: int, rank: int, most: int) -> Iterator[int]:
@@ -228,6 +234,8 @@ class RankRecord:
     iterations: list[tuple[str | None, tuple[str, ...], int]] = field(default_factory=list)
     collectives: list[list[Collective]] = field(default_factory=list)
     failure: str | None = None
+    # Decode steps the agreed credit covered (run without a vote).
+    credited_steps: int = 0
     # Requests that ended without a reason, and the harness's leak report once idle.
     unfinished: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
@@ -283,6 +291,15 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
     # mapped pages): the decode credit's reading. It only shrinks as the pool allocates from it.
     h.physical.hold_mapped(sim.mapped[rank])
     copies = random.Random(f"{sim.seed}-copies-{rank}")
+    agreement = h.scheduler._prefill_agreement
+    covers = agreement.covers_decode_step
+
+    def counted_cover(rows: int) -> bool:
+        credited = bool(covers(rows))
+        record.credited_steps += credited
+        return credited
+
+    agreement.covers_decode_step = counted_cover
     reqs: dict[str, Any] = {}
     made: list[Collective] = []
     last_arrival = max(r.arrives_at for r in sim.requests)
@@ -336,6 +353,7 @@ class SeedVerdict:
     seed: int
     iterations: int
     collectives: int
+    credited_steps: int
     failures: tuple[str, ...]
 
 
@@ -357,6 +375,10 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
     else:
         if len(r0["iterations"]) != len(r1["iterations"]) and not (r0["failure"] or r1["failure"]):
             failures.append(f"rank 0 ran {len(r0['iterations'])} iterations, rank 1 {len(r1['iterations'])}")
+    if r0["credited_steps"] != r1["credited_steps"]:
+        failures.append(
+            f"credited decode steps: rank 0 {r0['credited_steps']}, rank 1 {r1['credited_steps']}"
+        )
     for i, (a, b) in enumerate(zip(r0["collectives"], r1["collectives"], strict=False)):
         if a != b:
             failures.append(f"iteration {i + 1}: rank 0's collectives {a}, rank 1's {b}")
@@ -365,6 +387,7 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
         seed,
         len(r0["iterations"]),
         sum(len(c) for c in r0["collectives"]),
+        r0["credited_steps"],
         tuple(failures),
     )
 

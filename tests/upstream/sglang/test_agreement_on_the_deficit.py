@@ -239,7 +239,7 @@ def _prefill_server_round_after_idle(h: sh.Harness, rank: int) -> dict[str, Any]
     part (rank 0 reaches no vote, rank 1 waits in its)."""
     EventLoopDriver(h)  # the loop's ranks, for ingest_requests
     assert h.physical is not None
-    rounds = [_admitting_round(h, 0)]
+    rounds: list[list[str] | str | None] = [_admitting_round(h, 0)]
     h.scheduler._release_agreed_free_space()  # on_idle, fully idle on both ranks
     if rank == 0:
         h.physical.drift(_drifting(h.physical.uniform() - 8))

@@ -355,9 +355,8 @@ def _rank_body(
                 result = run(name)
             consensus[name] = bool(verdict.divergences)
             if verdict.divergences and name not in EXPECTED_DIVERGENCE:
-                raise AssertionError(
-                    f"upstream's rank-consensus checker found rank divergence: {verdict.divergences[0][:2000]}"
-                )
+                found = verdict.divergences[0][:2000]
+                raise AssertionError(f"upstream's rank-consensus checker found rank divergence: {found}")
             return result
 
         def run(name: str) -> dict[str, Any]:
@@ -1369,7 +1368,9 @@ def test_a_rank_local_pool_that_cannot_be_counted_alike_is_refused_by_name() -> 
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_DIVERGENCE & set(MULTI_ROUND_SCENARIOS)))
-def test_upstreams_checker_finds_the_divergence_a_scenario_makes_on_purpose(two_ranks: TwoRanks, name: str) -> None:
+def test_upstreams_checker_finds_the_divergence_a_scenario_makes_on_purpose(
+    two_ranks: TwoRanks, name: str
+) -> None:
     """The negative control of upstream's rank-consensus checker, which every two-rank scenario
     here runs under (a divergence it finds elsewhere fails that scenario): where the ranks' trees,
     chunk sizes or admissions differ on purpose, both ranks' checkers find it."""

@@ -21,7 +21,6 @@ import pytest
 import scheduler_harness as sh
 from test_prefill_unwind import _prompt
 
-
 # What the agreement watches on a rank-local pool (a later entry: an allocation no vote covers is
 # counted): it wraps these, calling through; every other method, the readings among them, stays
 # the pool's own.

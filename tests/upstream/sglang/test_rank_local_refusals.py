@@ -122,6 +122,24 @@ def _hicache_buffer_mode(h: sh.Harness, rank: int) -> dict[str, Any]:
         return _start_up(h)
 
 
+def _in_groups(attention_tp_spans_both: bool, attention_cp_spans_both: bool) -> MultiRoundScenario:
+    """A PD decode server's start-up where the attention-TP and attention-CP groups span both ranks
+    or this rank alone (the TP group spans both either way): context parallelism puts both ranks
+    in one attention-CP group, DP attention each in attention groups of its own."""
+
+    def start(h: sh.Harness, rank: int) -> dict[str, Any]:
+        sched = h.scheduler
+        both, alone = sched.attn_tp_cpu_group, sched.attn_cp_cpu_group  # the harness's TP topology
+        groups = {
+            "attn_tp_cpu_group": both if attention_tp_spans_both else alone,
+            "attn_cp_cpu_group": both if attention_cp_spans_both else alone,
+        }
+        with mock.patch.multiple(sched, **groups):
+            return _pd_decode(h, rank)
+
+    return start
+
+
 SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_pd_decode": _pd_decode,
     "tp_pd_prefill": _pd_prefill,
@@ -130,6 +148,8 @@ SCENARIOS: dict[str, MultiRoundScenario] = {
     "tp_speculative": _speculative,
     "tp_dllm": _dllm,
     "tp_hicache_buffer_mode": _hicache_buffer_mode,
+    "cp_pd_decode": _in_groups(attention_tp_spans_both=False, attention_cp_spans_both=True),
+    "dp_attention_pd_decode": _in_groups(attention_tp_spans_both=False, attention_cp_spans_both=False),
 }
 CONFIGS = {
     "tp_lazy_ping_pong": {"mamba": True, "ping_pong": True},
@@ -174,6 +194,16 @@ def test_modes_allocating_outside_the_votes_are_refused_at_start_up_by_name(
     assert refused is not None and flag in refused and "with 2 ranks scheduling together" in refused, ranks[0]
 
 
+def test_the_ranks_counted_are_those_that_schedule_together_not_the_tp_group(two_ranks: TwoRanks) -> None:
+    """The refusal counts the ranks of a batch's attention groups, attention-TP times attention-CP:
+    under context parallelism both ranks schedule together (refused); under DP attention each
+    rank schedules alone although its TP group spans both (started)."""
+    cp = two_ranks.scenario("cp_pd_decode")
+    assert cp[0] == cp[1] and "with 2 ranks scheduling together" in (cp[0]["refused"] or ""), cp
+    dp = two_ranks.scenario("dp_attention_pd_decode")
+    assert dp[0] == dp[1] == {"refused": None, "agreed": True}, dp
+
+
 def test_a_pd_prefill_server_and_eager_ping_pong_slots_start(two_ranks: TwoRanks) -> None:
     """A PD prefill server admits in prefill rounds, which the ranks agree on; eager ping-pong
     slots come with the admitted request. Both start, with the agreement."""
@@ -190,3 +220,15 @@ def test_one_rank_alone_is_never_refused() -> None:
     with sh.build_harness(elastic=True) as h:
         for mode in (_speculative, _dllm, _hicache_buffer_mode):
             assert mode(h, 0) == {"refused": None, "agreed": True}, mode.__name__
+
+
+def test_every_refusal_is_made_at_start_up() -> None:
+    """Scheduler.__init__ builds the agreement before the scheduler serves, so a refused
+    configuration stops start-up on every rank alike, not the first round that reaches a vote."""
+    import inspect
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    source = inspect.getsource(Scheduler.__init__)
+    assert "self._prefill_agreement" in source
+    assert source.index("self._prefill_agreement") < source.index("self.is_initializing = False")

@@ -90,7 +90,9 @@ def test_the_agreed_sites_allocate_unseen() -> None:
         assert agreement.unagreed.count == 0
 
 
-def test_a_server_counts_and_logs_it(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_server_counts_and_logs_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Not strict (a server): counted per caller, in the Prometheus counter, and one warning
     naming the callers; the allocation itself goes ahead."""
     monkeypatch.setenv("SGLANG_RANK_AGREEMENT_STRICT", "0")
