@@ -47,6 +47,10 @@ def test_every_rank_local_pool_reads_by_the_deficit_handed_to_it(
         assert pool.available_size() == real, name  # no deficit handed: as it is
         pool.agree_deficit(uniform - real + 3)  # a peer rank had 3 fewer
         assert pool.available_size() == max(0, real - 3), name
+        # No rank short of memory: the agreed deficit is 0, and the pool reads its uniform
+        # reading, not this rank's own (lower) real one.
+        pool.agree_deficit(0)
+        assert pool.available_size() == uniform, name
         assert pool.real_available_size() == real, name
         pool.agree_deficit(None)
         assert pool.available_size() == real, name
