@@ -102,11 +102,12 @@ SCENARIO_ERROR = "error"  # a scenario that raised on a rank: its traceback
 # Per scenario, whether upstream's rank-consensus checker found the ranks' decisions apart.
 CONSENSUS = "rank consensus checker fired"
 # Scenarios that make the ranks' trees differ on purpose (the series' safety net, DIVERGED, is what
-# they test): the checker must find that divergence (test_diverged_round_loads.py's host trees). (Where the ranks differ only in their extend
-# ranges, tp_chunk_sizes_differ, or in what their own readings admit, test_rounds_that_admit_nothing,
-# no @rank_consensus call differs: the series' vote finds it, upstream's checker does not.)
+# they test; test_diverged_round_loads.py's host trees, up to series entry 0021): the checker must
+# find that divergence. (Where the ranks differ only in their extend ranges,
+# tp_chunk_sizes_differ, or in what their own readings admit, test_rounds_that_admit_nothing, no
+# @rank_consensus call differs: the series' vote finds it, upstream's checker does not.)
 EXPECTED_DIVERGENCE = frozenset(
-    {"tp_trees_differ", "tp_admitted_apart", "tp_diverged_round_loads_on_one_rank"}  # the last: up to 0021
+    {"tp_trees_differ", "tp_admitted_apart", "tp_diverged_round_loads_on_one_rank"}
 )
 
 
