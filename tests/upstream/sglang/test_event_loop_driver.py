@@ -347,3 +347,21 @@ def test_the_credit_counts_the_rows_of_the_batch_the_loop_merged(credit_ranks: T
         assert result["failure"] is None, f"rank {rank}: {result['failure']}. Measured: {measured}"
     assert ranks[0]["iterations"] == ranks[1]["iterations"], measured
     assert all(ranks[0]["finished"].values()) and all(ranks[1]["finished"].values()), measured
+
+
+def test_the_credit_counts_each_beam_of_a_beam_search_request_as_a_row() -> None:
+    """A beam-search request decodes beam_width rows a step, each taking up to a page: a credit of
+    3 tokens (page size 1) covers a step of one plain request, not one of a request with 4 beams,
+    which votes instead."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    with sh.build_harness(elastic=True) as h:
+        assert h.physical is not None
+        h.physical.hold_mapped(3)
+        sched = h.scheduler
+        agreement = sched._prefill_agreement
+        plain, beams = h.make_req(_prompt(0), rid="plain"), h.make_req(_prompt(1), rid="beams")
+        beams.sampling_params.beam_width = 4
+        agreement.vote(agreement.ballot(missed=False, fingerprint=0, batch_size=0))
+        assert sched._decode_step_vote(ScheduleBatch(reqs=[beams])) is not None  # 4 rows > 3 tokens
+        assert sched._decode_step_vote(ScheduleBatch(reqs=[plain])) is None  # credited
