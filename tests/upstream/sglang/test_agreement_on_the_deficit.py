@@ -206,27 +206,10 @@ def _first_step_after_a_lone_prefill(h: sh.Harness, rank: int, loop: str) -> dic
     }
 
 
-class _NoArrivals:
-    """The request receiver (its ZMQ sockets and the TP broadcast of what arrived): nothing
-    arrives."""
-
-    def recv_requests(self, local_reqs: list[Any] | None = None) -> list[Any]:
-        return list(local_reqs or [])
-
-
 def _start_an_iteration(h: sh.Harness) -> None:
-    """What every event loop does first in an iteration: the real `Scheduler.ingest_requests`,
-    nothing arriving (the requests a test queues itself). The ranks it reads are the event loop
-    driver's (built first); dispatching what arrived is left out, as nothing did."""
-    with mock.patch.multiple(
-        h.scheduler,
-        create=True,
-        request_receiver=_NoArrivals(),
-        _deferred_input_requests=[],
-        _poll_timeout_aborts=lambda: [],
-        process_input_requests=lambda recv_reqs: None,
-    ):
-        h.scheduler.ingest_requests()
+    """What every event loop does first in an iteration: the real `Scheduler.ingest_requests`, at
+    the event loop driver's request receiver, where nothing arrives (the driver must be built)."""
+    h.scheduler.ingest_requests()
 
 
 def _prefill_server_round_after_idle(h: sh.Harness, rank: int) -> dict[str, Any]:
@@ -237,7 +220,7 @@ def _prefill_server_round_after_idle(h: sh.Harness, rank: int) -> dict[str, Any]
     ledger admits. Every rank must admit it by the ledger (rank 0's allocation may then miss, put
     back alike); read by each rank's own drifting reading, rank 0 admits nothing and the ranks
     part (rank 0 reaches no vote, rank 1 waits in its)."""
-    EventLoopDriver(h)  # the loop's ranks, for ingest_requests
+    EventLoopDriver(h)  # the loop's ranks and request receiver, for ingest_requests
     assert h.physical is not None
     rounds: list[list[str] | str | None] = [_admitting_round(h, 0)]
     h.scheduler._release_agreed_free_space()  # on_idle, fully idle on both ranks
