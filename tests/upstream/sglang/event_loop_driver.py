@@ -1,36 +1,30 @@
-"""Drive the REAL sglang `Scheduler.event_loop_normal` iteration on CPU, on a `scheduler_harness`
-Harness; `OverlapEventLoopDriver` drives `event_loop_overlap`'s (the default server's loop: a
-batch's result is processed in the next iteration, after that one's batch was launched), with the
-harness's fake device's streams and events.
+"""Run the REAL sglang scheduler event loop on CPU, on a `scheduler_harness` Harness: upstream's
+own `dispatch_event_loop` picks the loop a server of the harness's configuration runs
+(`event_loop_normal` with `enable_overlap=False`, `event_loop_overlap`, the default server's, with
+`enable_overlap=True`: a batch's result is processed in the next iteration, after that one's batch
+was launched, on the harness's fake device's streams and events), and the loop runs, unchanged and
+uninterrupted from its prologue to its exit, on a thread of its own (`LOOP_THREAD_NAME`).
 
-One `EventLoopDriver.step()` is one pass of `event_loop_normal`'s body (scheduler.py:2144-2175 at
-0.5.23), with the same calls in the same order and the same updates of `running_batch`,
-`cur_batch_for_debug` and `last_batch`:
-
-    self.ingest_requests()
-    plan = self.get_next_batch_to_run(running_batch=self.running_batch, last_batch=self.last_batch)
-    self.running_batch = plan.running_batch
-    batch = plan.batch_to_run
-    self.cur_batch_for_debug = batch
-    if batch: result = self.run_batch(batch); self.process_batch_result(batch, result)
-    else: self._sched_idled = True; self.on_idle()
-    self.last_batch = batch
-
-The receive step is the real `ingest_requests` (every loop's first call: it hands the agreed
-ledger back after an idle iteration, dispatches what arrived, runs the pending flushes), at a
-request receiver where nothing arrives (`NoArrivals`, in place of the ZMQ sockets and the TP
-broadcast): a test queues its requests itself (`Harness.add_request`) between steps, where the
-loop would have received them.
+One `EventLoopDriver.step()` is one iteration of that loop. Every loop begins its iteration in
+`Scheduler.ingest_requests`, whose receive (`request_receiver.recv_requests`, in a server the ZMQ
+sockets and the TP broadcast of what arrived) is the I/O boundary: here it is an `IterationGate`
+at which the loop waits for the test's next step. Test and loop take turns, never run together:
+between two steps the loop waits in its receive, and the test queues requests
+(`Harness.add_request`, where they would have arrived), delivers inputs the scheduler dispatches
+itself (`deliver`: an `AbortReq` as the tokenizer sends it), drifts readings and reads state.
+Whatever the loop raises (a scheduler stopping by name, upstream's leak check in `on_idle`) is
+raised by the step. Every wait is bounded (`STEP_BOUND_S`): a loop stuck in a collective no peer
+makes fails the step, naming that.
 
 The only fake is the model forward: `Scheduler.model_worker` (the TP worker `run_batch` calls,
 scheduler.py:5717) is a `FixedTokenWorker` whose `forward_batch_generation` returns, in the
 `GenerationBatchResult` `process_batch_result` reads, a fixed next token for every request, after
 doing what the real worker does at the device boundary before its forward (the HiCache consumer
-index, tp_worker.py:637). Everything else is upstream code: `get_next_batch_to_run`, admission and
-allocation, `update_running_batch` / `prepare_for_decode` (and with rank-local pools the decode
-vote and credit), `run_batch`'s relay through the real `FutureMap`, the real
-`SchedulerBatchResultProcessor` (finish, `release_kv_cache`, streaming to a fake channel) and, when
-idle, the real `on_idle` (the scheduler's own leak check).
+index, tp_worker.py:637). Everything else is upstream code: the loop itself, `ingest_requests`,
+`get_next_batch_to_run`, admission and allocation, `update_running_batch` / `prepare_for_decode`
+(and with rank-local pools the decode vote and credit), `run_batch`'s relay through the real
+`FutureMap`, the real `SchedulerBatchResultProcessor` (finish, `release_kv_cache`, streaming to a
+fake channel) and, when idle, the real `on_idle` (the scheduler's own leak check).
 
 Constructing `EventLoopDriver(h)` sets on the harness's scheduler only the attributes these methods read that
 the harness did not set, with the values `Scheduler.__init__` gives them for a single-GPU CPU
@@ -41,16 +35,17 @@ the real `SchedulerMetricsReporter` with metrics off, and its `future_map=None` 
 `FutureMap` (0.5.23 relays every decode step's input ids through it). What was set is listed in
 `EventLoopDriver.installed`. The process's ranks, which the real scheduler's process writes when it
 builds its groups, are stated for the harness's life (the TP, attention-TP and attention-CP groups
-as `GroupStandIn`s around the harness's gloo groups).
+as `GroupStandIn`s around the harness's gloo groups). Two spies note, calling through, whether an
+iteration ran `on_idle` or was paused.
 
-Where the tree differs (another sglang line), the driver checks for what it calls (the loop's body,
-by source; the methods, modules and constructor parameters it uses) and fails naming the missing
-piece (EventLoopUnsupported) rather than guess. It feature-detects the line, never by version:
+Where the tree differs (another sglang line), the driver checks for what it relies on (the loop
+beginning its iteration in `ingest_requests`, which receives at `request_receiver`; the methods,
+modules and constructor parameters it uses) and fails naming the missing piece
+(EventLoopUnsupported) rather than guess. It feature-detects the line, never by version:
 an attribute is set only where the tree's own `init_*` (or `__init__`) assigns it, read from that
 method's source (`_Installer.set(..., by=...)`); constructors and `init_*` methods get the keywords
 their signature names (`scheduler_harness._construct`); the ranks go to the tree's ParallelContext
-where it has the field, else to `Scheduler.ps` as 0.5.20's __init__ builds it. event_loop_normal's
-body is the same on 0.5.20-0.5.23. Every loop it runs is bounded (`run_until_idle`).
+where it has the field, else to `Scheduler.ps` as 0.5.20's __init__ builds it.
 """
 
 from __future__ import annotations
@@ -61,9 +56,11 @@ import contextlib
 import importlib
 import inspect
 import textwrap
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import scheduler_harness as sh
 import torch
@@ -71,54 +68,16 @@ from sglang.srt import runtime_context
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import Scheduler
 
-# The calls both loops' bodies begin with, in order (the driver's _next_batch).
-_LOOP_HEAD = (
-    "if self.gracefully_exit:",
-    "self.ingest_requests()",
-    "if self._engine_paused:",
-    "self._record_scheduler_state_for_paused_engine()",
-    "self.get_next_batch_to_run(",
-    "self.running_batch = plan.running_batch",
-    "batch = plan.batch_to_run",
-    "self.cur_batch_for_debug = batch",
-)
-# The calls of event_loop_normal's body this driver replays, in order (a guard against a tree whose
-# loop changed: the driver would then replay a loop that no longer exists).
-_LOOP_CALLS = (
-    *_LOOP_HEAD,
-    "self.run_batch(batch)",
-    "self.process_batch_result(batch, result)",
-    "self._sched_idled = True",
-    "self.on_idle()",
-    "self.last_batch = batch",
-    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY",
-    "self.invariant_checker.self_check_during_busy()",
-)
-
-# The calls of event_loop_overlap's body OverlapEventLoopDriver replays, in order (the same guard).
-_OVERLAP_LOOP_CALLS = (
-    "self.result_queue",
-    "def pop_and_process():",
-    "self.result_queue.popleft()",
-    "self.process_batch_result(tmp_batch, tmp_result)",
-    *_LOOP_HEAD,
-    "self.is_disable_overlap_for_batch(",
-    "if disable_overlap_for_batch:",
-    "pop_and_process()",
-    "self.run_batch(batch)",
-    "self._apply_war_barrier()",
-    "self.result_queue.append((batch.copy(), batch_result))",
-    "self._sched_idled = True",
-    "if self.last_batch:",
-    "if not disable_overlap_for_batch:",
-    "pop_and_process()",
-    "elif batch is None:",
-    "self.on_idle()",
-    "self.launch_batch_sample_if_needed(batch_result, batch)",
-    "self.last_batch = batch",
-    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY",
-    "self.invariant_checker.self_check_during_busy()",
-)
+# What the driver relies on in each loop's source, in order: the iteration begins in
+# ingest_requests (whose receive is the driver's gate) and ends with `last_batch` (what a step
+# reports). A loop that changed there fails naming it (EventLoopUnsupported).
+_LOOP_HOOKS = ("while True:", "self.ingest_requests(", "self.last_batch = batch")
+_INGEST_HOOK = "self.request_receiver.recv_requests("
+LOOP_THREAD_NAME = "scheduler-event-loop"
+# The longest one iteration may take (two ranks: the peer's iteration too).
+STEP_BOUND_S = 150.0
+# The longest the loop waits at its receive for the test's next step.
+LOOP_WAIT_S = 600.0
 
 NEXT_TOKEN = 7
 
@@ -128,7 +87,11 @@ class EventLoopUnsupported(RuntimeError):
 
 
 class LoopExited(RuntimeError):
-    """event_loop_normal would have left its loop (`gracefully_exit`)."""
+    """The scheduler's loop returned (`gracefully_exit`)."""
+
+
+class LoopStopped(BaseException):
+    """Raised at the loop's receive to end its thread (the harness closed, or the test left)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +130,7 @@ class FixedTokenWorker:
         counter = getattr(self.inner, "hicache_layer_transfer_counter", None)
         if counter is not None:
             counter.set_consumer(batch.hicache_consumer_index)
+            _wait_for_each_layers_load(counter)
         self.forwards.append(Iteration.of(batch))
         rows = len(batch.reqs)
         return GenerationBatchResult(
@@ -181,95 +145,153 @@ class FixedTokenWorker:
         return getattr(self.inner, name)
 
 
-def check_tree(overlap: bool = False) -> None:
-    """The imported tree's loop (event_loop_overlap with `overlap`, else event_loop_normal) makes
-    the calls the driver replays, in its order (EventLoopUnsupported naming the first it lacks)."""
-    methods: tuple[str, ...] = ("get_next_batch_to_run", "run_batch", "process_batch_result", "on_idle")
-    if overlap:
-        methods += ("is_disable_overlap_for_batch", "_apply_war_barrier", "launch_batch_sample_if_needed")
-    missing = [name for name in methods if not callable(getattr(Scheduler, name, None))]
-    if missing:
-        raise EventLoopUnsupported(f"this sglang tree's Scheduler has no {missing}")
-    params = inspect.signature(Scheduler.get_next_batch_to_run).parameters
-    if "running_batch" not in params or "last_batch" not in params:
-        raise EventLoopUnsupported(
-            "get_next_batch_to_run(running_batch, last_batch) returning a plan is the loop this "
-            f"driver replays; this tree's takes {list(params)}"
-        )
-    loop = "event_loop_overlap" if overlap else "event_loop_normal"
-    source = inspect.getsource(getattr(Scheduler, loop))
-    at = 0
-    for call in _OVERLAP_LOOP_CALLS if overlap else _LOOP_CALLS:
-        found = source.find(call, at)
-        if found < 0:
-            raise EventLoopUnsupported(
-                f"{loop} of this tree no longer makes {call!r} where the driver expects it"
-            )
-        at = found + len(call)
+def _wait_for_each_layers_load(counter: Any) -> None:
+    """What the model's layers do with a HiCache load in flight: each layer's forward waits
+    (stream-ordered) for that layer's load (`LayerDoneCounter.wait_until`, called by the attention
+    layers). The fixed-token forward finishes at once, so the loads it waited on have finished:
+    their fake events are done (as a forward's completion implies on a device)."""
+    for layer in range(counter.num_layers):
+        counter.wait_until(layer)
+    if counter.consumer_index >= 0:
+        for event in counter.events[counter.consumer_index].load_events:
+            if getattr(event, "recorded", False):
+                event.done = True
+
+
+def loop_name(overlap: bool, pd_prefill: bool = False) -> str:
+    """The loop `dispatch_event_loop` runs for a server of this kind (no pipeline parallelism)."""
+    return f"event_loop_{'overlap' if overlap else 'normal'}{'_disagg_prefill' if pd_prefill else ''}"
+
+
+def check_tree(overlap: bool = False, pd_prefill: bool = False) -> None:
+    """The imported tree's loop (`loop_name`) and `ingest_requests` have what the driver relies
+    on, in order (EventLoopUnsupported naming the first they lack)."""
+    from sglang.srt.managers import scheduler as scheduler_module
+
+    if not callable(getattr(scheduler_module, "dispatch_event_loop", None)):
+        raise EventLoopUnsupported("this sglang tree has no scheduler.dispatch_event_loop")
+    loop = loop_name(overlap, pd_prefill)
+    for method, hooks in ((loop, _LOOP_HOOKS), ("ingest_requests", (_INGEST_HOOK,))):
+        if not callable(getattr(Scheduler, method, None)):
+            raise EventLoopUnsupported(f"this sglang tree's Scheduler has no {method}")
+        source = inspect.getsource(getattr(Scheduler, method))
+        at = 0
+        for hook in hooks:
+            found = source.find(hook, at)
+            if found < 0:
+                raise EventLoopUnsupported(f"{method} of this tree no longer makes {hook!r} where the driver expects it")
+            at = found + len(hook)
 
 
 class EventLoopDriver:
-    """Runs `event_loop_normal`'s iteration on a harness's scheduler (see the module docstring)."""
+    """Runs the scheduler's own event loop (`dispatch_event_loop`: event_loop_normal here) on a
+    harness's scheduler, one iteration per `step()` (see the module docstring)."""
 
     overlap = False  # the loop a server runs with --disable-overlap-schedule
 
     def __init__(self, h: sh.Harness, next_token: int = NEXT_TOKEN) -> None:
-        check_tree(self.overlap)
+        self.pd_prefill = h.cfg.pd_prefill
+        check_tree(self.overlap, self.pd_prefill)
         self.h = h
         self.scheduler = h.scheduler
         self.worker = FixedTokenWorker(h.scheduler.tp_worker, next_token)
         self.installed: list[str] = []
         self.detokenizer = sh.FakeTokenizerChannel()  # what the scheduler streams out
         self.iterations: list[Iteration] = []
-        # Whether the last step ran on_idle (the scheduler's own idle check).
+        self.receiver = IterationGate()
+        # Whether the last step ran on_idle (the scheduler's own idle check), or was paused.
         self.ran_on_idle = False
+        self._paused = False
+        self._thread: threading.Thread | None = None
+        self._outcome: BaseException | None = None
         _install(self, h)
+        # The harness's leak report, read in the loop after its last on_idle that found the
+        # scheduler fully idle (between two steps the loop has begun its next iteration: from its
+        # first call the pools read the agreed ledger again, not the idle reading).
+        self.idle_leaks: list[str] | None = None
+        self._spy_on("on_idle", "ran_on_idle", after=self._read_idle_leaks)
+        self._spy_on("_record_scheduler_state_for_paused_engine", "_paused")
+        h._stack.callback(self.stop)
 
-    def step(self) -> Iteration:
-        """One iteration of event_loop_normal (scheduler.py:2146-2175 at 0.5.23), without
-        receiving requests."""
-        s = self.scheduler
-        paused, batch = self._next_batch()
-        if paused is not None:
-            return paused
-        self.ran_on_idle = False
-        if batch:
-            result = s.run_batch(batch)
-            s.process_batch_result(batch, result)
-        else:
-            s._sched_idled = True
-            s.on_idle()
-            self.ran_on_idle = True
-        return self._end(batch)
+    def _spy_on(self, method: str, flag: str, after: Callable[[], None] | None = None) -> None:
+        """The scheduler's own `method`, called through, noting in `flag` that this iteration ran
+        it (and then calling `after`)."""
+        real = getattr(self.scheduler, method)
 
-    def _next_batch(self) -> tuple[Iteration | None, ScheduleBatch | None]:
-        """The head of both loops' iteration, nothing arriving: (the PAUSED iteration,
-        None) where the engine is paused, else (None, the batch get_next_batch_to_run planned)."""
-        s = self.scheduler
-        if s.gracefully_exit:
-            raise LoopExited("the scheduler was asked to exit (gracefully_exit)")
-        s.ingest_requests()  # nothing arrives: the test queues its requests itself
-        if s._engine_paused:
-            s._record_scheduler_state_for_paused_engine()
-            it = Iteration("PAUSED", ())
-            self.iterations.append(it)
-            return it, None
-        plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
-        s.running_batch = plan.running_batch
-        s.cur_batch_for_debug = plan.batch_to_run
-        return None, plan.batch_to_run
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            setattr(self, flag, True)
+            result = real(*args, **kwargs)
+            if after is not None:
+                after()
+            return result
 
-    def _end(self, batch: ScheduleBatch | None) -> Iteration:
-        """The tail of both loops' iteration: `last_batch`, the strict check where it is on."""
+        setattr(self.scheduler, method, noted)
+
+    def _read_idle_leaks(self) -> None:
+        if self.is_idle():
+            self.idle_leaks = [str(leak) for leak in self.h.idle_leak_report()]
+
+    # -- the loop's thread ---------------------------------------------------------------------
+    @property
+    def loop(self) -> str:
+        return loop_name(self.overlap, self.pd_prefill)
+
+    def _run_loop(self) -> None:
         from sglang.srt.managers import scheduler as scheduler_module
 
-        s = self.scheduler
-        s.last_batch = batch
-        if scheduler_module.envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY.get():
-            s.invariant_checker.self_check_during_busy()
-        it = Iteration.of(batch)
+        try:
+            scheduler_module.dispatch_event_loop(self.scheduler)
+        except LoopStopped:
+            pass
+        except BaseException as error:  # the scheduler's loop raised: step() raises it
+            self._outcome = error
+        else:
+            self._outcome = LoopExited("the scheduler's loop returned (gracefully_exit)")
+        finally:
+            self.receiver.loop_ended()
+
+    def start(self) -> None:
+        """Start the scheduler's loop on its own thread (a server runs it on the scheduler
+        process's main thread); it runs up to its first receive and waits there."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run_loop, name=LOOP_THREAD_NAME, daemon=True)
+        self.receiver.loop_thread = self._thread
+        with _the_scheduler_thread_is(self._thread):
+            self._thread.start()
+            self.receiver.wait_for_the_loop(STEP_BOUND_S)
+
+    def stop(self) -> None:
+        """End the loop at its receive (when the harness closes); a loop stuck elsewhere is left
+        to its daemon thread, and named."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self.receiver.stop()
+        self._thread.join(timeout=STEP_BOUND_S)
+
+    def step(self) -> Iteration:
+        """One iteration of the scheduler's loop: from its receive (where what the test queued
+        and delivered arrives) to its next one. An exception the loop raised is raised here."""
+        self.start()
+        if self._outcome is not None:
+            raise self._outcome
+        self.ran_on_idle = self._paused = False
+        assert self._thread is not None
+        with _the_scheduler_thread_is(self._thread):
+            self.receiver.run_one_iteration(STEP_BOUND_S)
+        if self._outcome is not None:
+            raise self._outcome
+        if self._paused:
+            it = Iteration("PAUSED", ())
+        else:
+            it = Iteration.of(self.scheduler.last_batch)
         self.iterations.append(it)
         return it
+
+    def deliver(self, *inputs: Any) -> None:
+        """What the scheduler receives at the start of the next iteration (an AbortReq, a
+        tokenized request), dispatched by its own `process_input_requests`."""
+        self.receiver.deliver(inputs)
 
     def is_idle(self) -> bool:
         """The scheduler's own test (is_fully_idle): nothing running, queued or in flight."""
@@ -297,63 +319,107 @@ class EventLoopDriver:
 
 
 class OverlapEventLoopDriver(EventLoopDriver):
-    """Runs `event_loop_overlap`'s iteration (scheduler.py:2199-2272 at 0.5.23; the same body on
-    0.5.20-0.5.23): a batch's result is processed in the NEXT iteration, after that iteration's
-    batch was launched, so its admission and decode step are prepared before the previous
-    batch's requests finish (and the skip of a finishing request's decode, 0.5.22 on).
+    """Runs `event_loop_overlap` (the default server's loop: a batch's result is processed in the
+    NEXT iteration, after that iteration's batch was launched, so its admission and decode step
+    are prepared before the previous batch's requests finish; 0.5.22 on, a request whose last
+    token is still in flight is not decoded again).
 
     The device boundary is the harness's fake device: the schedule, forward and copy streams are
-    its FakeStreams, `copy_done` its FakeEvent. Its constructor runs the loop's prologue (a fresh
-    result queue; enable_skip_finishing_decode where this tree's loop sets it)."""
+    its FakeStreams, `copy_done` its FakeEvent."""
 
     overlap = True
 
     def __init__(self, h: sh.Harness, next_token: int = NEXT_TOKEN) -> None:
         super().__init__(h, next_token)
-        s = self.scheduler
-        s.result_queue = collections.deque()
-        # 0.5.22 on: a request whose last token is still in flight is not decoded again. Before,
-        # the loop runs one more decode step for it, whose token is thrown away.
+        # 0.5.22 on the loop skips a finishing request's decode; before, it runs one more decode
+        # step for it, whose token is thrown away.
         self.skips_finishing_decode = "self.enable_skip_finishing_decode = True" in inspect.getsource(
             Scheduler.event_loop_overlap
         )
-        if self.skips_finishing_decode:
-            s.enable_skip_finishing_decode = True
 
-    def _pop_and_process(self) -> None:
-        s = self.scheduler
-        done_batch, done_result = s.result_queue.popleft()
-        s.process_batch_result(done_batch, done_result)
 
-    def step(self) -> Iteration:
-        """One iteration of event_loop_overlap, without receiving requests."""
-        s = self.scheduler
-        paused, batch = self._next_batch()
-        if paused is not None:
-            return paused
-        disable_overlap_for_batch = s.is_disable_overlap_for_batch(batch, last_batch=s.last_batch)
-        if disable_overlap_for_batch:
-            self._pop_and_process()
-            if s.enable_unified_memory:
-                with contextlib.suppress(Exception):
-                    s.token_to_kv_pool_allocator.flush_opportunistic()
-        if batch:
-            batch_result = s.run_batch(batch)
-            s._apply_war_barrier()
-            s.result_queue.append((batch.copy(), batch_result))
-        else:
-            batch_result = None
-            s._sched_idled = True
-        self.ran_on_idle = False
-        if s.last_batch:
-            if not disable_overlap_for_batch:
-                self._pop_and_process()
-        elif batch is None:
-            s.on_idle()
-            self.ran_on_idle = True
-        if s.is_generation:
-            s.launch_batch_sample_if_needed(batch_result, batch)
-        return self._end(batch)
+@contextlib.contextmanager
+def _the_scheduler_thread_is(thread: threading.Thread) -> Iterator[None]:
+    """Upstream's rank-consensus checker, where it is on, takes the loop's thread for the
+    scheduler's while the loop runs: it accepts records from the thread that configured it (in a
+    server the scheduler process's main thread, which runs the loop), so that no other thread's
+    record interleaves. Test and loop take turns, so there is one scheduler thread at a time."""
+    from sglang.srt.utils import rank_consensus_checker as checker
+
+    if not checker.enabled():
+        yield
+        return
+    test_thread = checker._scheduler_thread
+    checker._scheduler_thread = thread
+    try:
+        yield
+    finally:
+        checker._scheduler_thread = test_thread
+
+
+class IterationGate:
+    """The scheduler's request receiver (its ZMQ sockets and the TP broadcast of what arrived):
+    every loop's iteration begins by calling it, so here the loop waits for the test's next step
+    (strictly in turn: the test reads and queues while the loop waits, never while it runs), and
+    receives what the test delivered, and rank 0's timeout aborts the scheduler hands it."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._receives = 0  # receives the loop entered
+        self._granted = 0  # iterations the test let run
+        self._stopping = False
+        self._ended = False
+        self._delivered: list[Any] = []
+        self.loop_thread: threading.Thread | None = None
+
+    def recv_requests(self, local_reqs: list[Any] | None = None) -> list[Any]:
+        if threading.current_thread() is not self.loop_thread:  # a test calling ingest_requests itself
+            with self._turn:
+                arrived, self._delivered = self._delivered, []
+            return list(local_reqs or []) + arrived
+        with self._turn:
+            self._receives += 1
+            self._turn.notify_all()
+            if not self._turn.wait_for(lambda: self._granted >= self._receives or self._stopping, LOOP_WAIT_S):
+                raise LoopStopped(f"no step for {LOOP_WAIT_S} s: the test left its loop")
+            if self._stopping:
+                raise LoopStopped("the harness closed")
+            arrived, self._delivered = self._delivered, []
+        return list(local_reqs or []) + arrived
+
+    def deliver(self, inputs: tuple[Any, ...]) -> None:
+        with self._turn:
+            self._delivered.extend(inputs)
+
+    def _parked(self) -> bool:
+        return self._ended or self._receives == self._granted + 1
+
+    def wait_for_the_loop(self, bound_s: float) -> None:
+        with self._turn:
+            if not self._turn.wait_for(self._parked, bound_s):
+                raise AssertionError(f"the scheduler's loop did not reach its receive within {bound_s} s")
+
+    def run_one_iteration(self, bound_s: float) -> None:
+        with self._turn:
+            if self._ended:
+                return
+            self._granted += 1
+            self._turn.notify_all()
+            if not self._turn.wait_for(self._parked, bound_s):
+                raise AssertionError(
+                    f"the scheduler's loop did not reach its next receive within {bound_s} s "
+                    "(stuck in an iteration: a collective no peer makes?)"
+                )
+
+    def stop(self) -> None:
+        with self._turn:
+            self._stopping = True
+            self._turn.notify_all()
+
+    def loop_ended(self) -> None:
+        with self._turn:
+            self._ended = True
+            self._turn.notify_all()
 
 
 class StreamContextStandIn:
@@ -376,14 +442,6 @@ class StreamContextStandIn:
 # --------------------------------------------------------------------------------------------
 # What __init__ would have set
 # --------------------------------------------------------------------------------------------
-class NoArrivals:
-    """The scheduler's request receiver (its ZMQ sockets and the TP broadcast of what arrived), at
-    which nothing arrives but what the scheduler itself hands it (rank 0's timeout aborts)."""
-
-    def recv_requests(self, local_reqs: list[Any] | None = None) -> list[Any]:
-        return list(local_reqs or [])
-
-
 class _Installer:
     """Sets what the loop reads and the harness did not: each name once, listed in `names`."""
 
@@ -424,6 +482,36 @@ class _Installer:
     def replace(self, name: str, value: Any, why: str) -> None:
         setattr(self.s, name, value)
         self.names.append(f"{name} (replaced: {why})")
+
+
+class Unserved:
+    """A scheduler component a test never reaches (a weight updater, ...): each of its methods
+    raises, naming itself."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Callable[..., Any]:
+        def unserved(*args: Any, **kwargs: Any) -> Any:
+            raise EventLoopUnsupported(f"{self._name}.{attribute} is not served by the event loop driver")
+
+        return unserved
+
+
+def _component_reads(init: str) -> list[str]:
+    """The attributes of `self` whose own attributes `Scheduler.<init>` reads (`self.NAME.x`)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(Scheduler, init))))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+            and node.value.attr not in names
+        ):
+            names.append(node.value.attr)
+    return names
 
 
 def _upstream(module: str, name: str | None = None) -> Any:
@@ -642,7 +730,7 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
     # -- what ingest_requests reads (the loop's first call): the request receiver is the I/O
     #    boundary (ZMQ sockets and the TP broadcast of what arrived), here one at which nothing
     #    arrives: a test queues its requests between iterations, where they would have arrived.
-    i.set("request_receiver", NoArrivals, by="init_request_receiver")
+    i.set("request_receiver", lambda: driver.receiver, by="init_request_receiver")
     i.set("_deferred_input_requests", list, by="init_running_status")  # 0.5.23
     i.set(
         "flush_wrapper",
@@ -831,4 +919,19 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
     i.set("mm_receiver", lambda: None, by="init_disaggregation")  # not an EPD language-only server
     if i.missing("grammar_manager"):
         i.call("init_grammar_manager", ("grammar_manager",))
+    # init_request_dispatcher (:1939): what process_input_requests dispatches each input to (an
+    # AbortReq to abort_request, a tokenized request to handle_generate_request, ...).
+    # The components it binds a handler of that no test input reaches (weight updates, profiling,
+    # ...) are stand-ins that raise when called (`Unserved`).
+    for name in _component_reads("init_request_dispatcher"):
+        if i.missing(name):
+            i.replace(name, Unserved(name), "no input of a test reaches it")
+    i.call("init_request_dispatcher", ("_request_dispatcher",))
+    # -- a PD prefill server's queues (init_disaggregation :1617-1754, real: the bootstrap and
+    #    in-flight queues, the metadata buffers, upstream's fake transfer backend's KV manager).
+    if cfg.pd_prefill:
+        s.init_disaggregation()
+        i.names.append("disagg_prefill_bootstrap_queue, disagg_prefill_inflight_queue, ... (init_disaggregation)")
+        # prefill.py:1496 records a CUDA event for a cached prefix sent early: the device boundary.
+        h._stack.enter_context(mock.patch.object(torch.cuda, "Event", h.device.Event))
     driver.installed = i.names

@@ -404,6 +404,11 @@ class CpuModelRunner:
     attn_backend: Any  # scheduler.py:3827-3831 probes `extend_attention_block_m` on it
     forward_stream: Any  # scheduler.py:617-622 fences HiCache loads behind it
     prefill_aware_swa: bool = False  # scheduler.py:4020
+    # A PD prefill server's bootstrap queue (disaggregation/prefill.py:174-260) reads the pool's
+    # size and the KV dtype's name from the model runner.
+    effective_max_total_num_tokens: int = 0
+    effective_logical_max_total_num_tokens: int = 0
+    kv_cache_dtype_str: str = "float32"
 
 
 @dataclass
@@ -550,6 +555,10 @@ class HarnessConfig:
     mamba_heads: int = 2
     mamba_head_dim: int = 4
     mamba_state_size: int = 4
+    # A PD prefill server (--disaggregation-mode prefill): requests wait in its bootstrap queue,
+    # its KV goes through upstream's fake transfer backend (the network is the I/O boundary);
+    # the queues are built when the event loop driver is installed (Scheduler.init_disaggregation).
+    pd_prefill: bool = False
 
 
 class PhysicalMemory:
@@ -714,7 +723,10 @@ class Harness:
         """Queue a request through the real `_add_request_to_queue` (scheduler.py:3193-3206)."""
         req = self.make_req(token_ids, rid, session=session)
         self.scheduler._add_request_to_queue(req)
-        assert self.scheduler.waiting_queue[-1] is req
+        if self.cfg.pd_prefill:  # it waits in the bootstrap queue until its transfer is set up
+            assert self.scheduler.disagg_prefill_bootstrap_queue.queue[-1] is req
+        else:
+            assert self.scheduler.waiting_queue[-1] is req
         return req
 
     def admitted_batch(self) -> ScheduleBatch:
@@ -1113,6 +1125,14 @@ class Harness:
 # --------------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------------
+def _use_the_fake_transfer_backend(cfg: HarnessConfig) -> None:
+    """A PD prefill server's KV transfer through upstream's fake backend (disaggregation/fake:
+    no network, a send succeeds). Publishing refuses 'fake' on a prefill server (its hook asserts
+    it is for a decode server's warm-up), so it is set after publishing."""
+    if cfg.pd_prefill:
+        runtime_context.get_context().override("harness PD transfer", disaggregation_transfer_backend="fake")
+
+
 def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
     """Publish the process-wide config bags the upstream code reads (get_memory(), ...)."""
 
@@ -1139,11 +1159,13 @@ def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
             hicache_mem_layout="page_first_direct",
             mamba_radix_cache_strategy=strategy,
             tp_size=cfg.tp_size,
+            disaggregation_mode="prefill" if cfg.pd_prefill else "null",
         )
 
     if not cfg.ping_pong:
         server_args = make("no_buffer")
         runtime_context.publish(server_args, role="scheduler")
+        _use_the_fake_transfer_backend(cfg)
         return server_args
     try:
         server_args = make("extra_buffer")
@@ -1294,7 +1316,14 @@ def _build(cfg: HarnessConfig, stack: contextlib.ExitStack, t0: float) -> Harnes
     if cfg.elastic:
         allocator.rank_local_capacity = True
         physical = PhysicalMemory(allocator)
-    worker = CpuModelWorker(CpuModelRunner(attn_backend=object(), forward_stream=forward_stream))
+    worker = CpuModelWorker(
+        CpuModelRunner(
+            attn_backend=object(),
+            forward_stream=forward_stream,
+            effective_max_total_num_tokens=cfg.kv_tokens,
+            effective_logical_max_total_num_tokens=cfg.kv_tokens,
+        )
+    )
 
     # kv_cache_builder.py:303-355: the params and the registry call build_kv_cache makes.
     params = CacheInitParams(

@@ -44,7 +44,7 @@ from unittest import mock
 import scheduler_harness as sh
 import torch
 import torch.distributed as dist
-from event_loop_driver import EventLoopDriver, Iteration, OverlapEventLoopDriver
+from event_loop_driver import LOOP_THREAD_NAME, EventLoopDriver, Iteration, OverlapEventLoopDriver
 
 # Upstream's idle leak check (invariant_checker.py), strict by default.
 STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"
@@ -189,12 +189,11 @@ def _group_name(group: Any) -> str:
 
 @contextlib.contextmanager
 def recording_collectives(record: list[Collective]) -> Iterator[None]:
-    """Wrap torch.distributed's collectives for the block: each call this thread makes (the
-    scheduler's; not those of upstream's rank-consensus checker, which compares on a thread and
+    """Wrap torch.distributed's collectives for the block: each call the scheduler's loop makes
+    (on its thread; not those of upstream's rank-consensus checker, which compares on a thread and
     groups of its own) is appended to `record` (function, group, reduce op, shape, dtype) before it
     runs."""
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    scheduler_thread = threading.current_thread()
 
     def wrap(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(real)
@@ -203,7 +202,7 @@ def recording_collectives(record: list[Collective]) -> Iterator[None]:
             if name == "all_gather" and args and isinstance(args[0], list):
                 tensor = args[1] if len(args) > 1 else kwargs.get("tensor")
             op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
-            if threading.current_thread() is not scheduler_thread:
+            if threading.current_thread().name != LOOP_THREAD_NAME:
                 return real(*args, **kwargs)
             record.append(
                 (
@@ -263,10 +262,11 @@ def _land_copies(h: sh.Harness, rng: random.Random, chance: float) -> None:
             event.done = True
 
 
-def _abort(h: sh.Harness, rid: str) -> None:
+def _abort(driver: EventLoopDriver, rid: str) -> None:
+    """A client's abort, as the tokenizer sends it: received by the next iteration."""
     from sglang.srt.managers.io_struct import AbortReq
 
-    h.scheduler.abort_request(AbortReq(rid=rid))
+    driver.deliver(AbortReq(rid=rid))
 
 
 def _recorded_step(driver: EventLoopDriver, made: list[Collective], record: RankRecord) -> Iteration:
@@ -325,7 +325,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
                     ended = _ended(h, reqs)
                     for rid in aborting:
                         if rid not in ended:
-                            _abort(h, rid)
+                            _abort(driver, rid)
                 it = _recorded_step(driver, made, record)
                 done = iteration >= last_arrival and _ended(h, reqs) >= set(reqs)
                 if done and it.forward_mode is None:
@@ -344,7 +344,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
         )
     record.unfinished = sorted(set(reqs) - _ended(h, reqs))
     if record.failure is None:
-        record.leaks = [str(leak) for leak in h.idle_leak_report()]
+        record.leaks = driver.idle_leaks if driver.idle_leaks is not None else ["never fully idle at an on_idle"]
     return asdict(record)
 
 

@@ -107,7 +107,7 @@ def test_requests_of_different_lengths_finish_through_the_real_loop(loop: str) -
         assert len(driver.worker.forwards) == 2 + (max_new - 1) + _extra_decodes(driver)
         assert driver.detokenizer.outputs, "the result processor streamed nothing"
         assert h.scheduler.running_batch.is_empty() and h.scheduler.last_batch is None
-        assert h.idle_leak_report() == []
+        assert driver.idle_leaks == []
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -137,7 +137,7 @@ def test_a_prompt_longer_than_a_chunk_runs_in_chunks_through_the_real_loop(loop:
         for req in (long_req, short_req):
             assert list(req.output_ids) == [NEXT_TOKEN] * max_new, req.rid
         assert h.scheduler.chunked_req is None
-        assert h.idle_leak_report() == []
+        assert driver.idle_leaks == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def _two_waves_on_elastic_pools(h: sh.Harness, rank: int, loop: str = "normal") 
         "finished": _finished_with_length(reqs, TWO_RANK_MAX_NEW),
         "decode_misses": h.scheduler.num_decode_allocation_misses,
         "unwinds": sh.num_prefill_unwinds(h),
-        "leaks": h.idle_leak_report(),
+        "leaks": driver.idle_leaks,
         "extra_decodes": _extra_decodes(driver),
     }
 
