@@ -212,38 +212,52 @@ def _start_an_iteration(h: sh.Harness) -> None:
     h.scheduler.ingest_requests()
 
 
-def _prefill_server_round_after_idle(h: sh.Harness, rank: int) -> dict[str, Any]:
-    """What a PD prefill server's loop does (event_loop_normal_disagg_prefill): each iteration
-    starts in `ingest_requests` and admits through `get_new_batch_prefill`, never through
-    `get_next_batch_to_run`. A round runs on both ranks; both go idle (on_idle); then rank 0's
-    co-tenants hold memory, drifting at every reading, and a request arrives that the agreed
-    ledger admits. Every rank must admit it by the ledger (rank 0's allocation may then miss, put
-    back alike); read by each rank's own drifting reading, rank 0 admits nothing and the ranks
-    part (rank 0 reaches no vote, rank 1 waits in its)."""
-    EventLoopDriver(h)  # the loop's ranks and request receiver, for ingest_requests
+def _prefill_server_after_idle(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
+    """A PD prefill server's own loop (event_loop_normal_disagg_prefill or
+    event_loop_overlap_disagg_prefill, chosen by upstream's dispatch_event_loop): each iteration
+    starts in `ingest_requests`, takes the bootstrapped requests and admits through
+    `get_new_batch_prefill`, never through `get_next_batch_to_run`. A request is prefilled and its
+    KV sent (upstream's fake transfer backend) on both ranks; the server goes idle (on_idle: each
+    pool reads its real free space); then rank 0's co-tenants hold memory, drifting at every
+    reading, and a request arrives that the agreed ledger admits. Every rank must admit it by the
+    ledger (rank 0's allocation may then miss, put back alike) until the co-tenants leave; read
+    by each rank's own drifting reading, the ranks admit apart and part."""
+    driver: EventLoopDriver = LOOPS[loop][0](h)
     assert h.physical is not None
-    rounds: list[list[str] | str | None] = [_admitting_round(h, 0)]
-    h.scheduler._release_agreed_free_space()  # on_idle, fully idle on both ranks
-    if rank == 0:
-        h.physical.drift(_drifting(h.physical.uniform() - 8))
-    _start_an_iteration(h)
-    h.add_request(_prompt(1, 40))
+    made: list[Any] = []
+    failure = None
+    reqs = []
     try:
-        batch = h.run_round()
-        rounds.append(None if batch is None else [r.rid for r in batch.reqs])
-    except Exception as error:  # a rank's scheduler stopping
-        rounds.append(type(error).__name__)
+        with sim.recording_collectives(made), sim.strict_idle_check_off():
+            reqs.append(h.add_request(_prompt(0, 40)))
+            driver.run_until(lambda: reqs[0].finished(), max_iterations=20)
+            driver.run_until_idle(max_iterations=10)
+            if rank == 0:
+                h.physical.drift(_drifting(h.physical.uniform() - 8))
+            reqs.append(h.add_request(_prompt(1, 40)))
+            driver.run(4)
+            h.physical.take(0)  # the co-tenants leave
+            driver.run_until(lambda: reqs[1].finished(), max_iterations=20)
+            driver.run_until_idle(max_iterations=10)
+    except Exception as error:  # a rank's scheduler stopping, or its loop stuck in a collective
+        failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     return {
-        "rounds": rounds,
-        "unwinds": sh.num_prefill_unwinds(h),
+        "iterations": [(it.forward_mode, it.rids) for it in driver.iterations],
+        "collectives": made,
+        "failure": failure,
+        "finished": [req.rid for req in reqs if req.finished()],
         "divergences": h.scheduler.num_prefill_divergences,
+        "leaks": driver.idle_leaks,
     }
 
 
 SCENARIOS: dict[str, Any] = {
     "tp_idle_on_one_rank": _idle_on_one_rank,
     "tp_put_back_then_idle": _put_back_then_idle,
-    "tp_prefill_server_after_idle": _prefill_server_round_after_idle,
+    **{
+        f"pd_prefill_server_after_idle_{loop}": functools.partial(_prefill_server_after_idle, loop=loop)
+        for loop in LOOPS
+    },
     **{
         f"loop_idle_on_one_rank_{loop}": functools.partial(_loop_idle_on_one_rank, loop=loop)
         for loop in LOOPS
@@ -254,7 +268,7 @@ SCENARIOS: dict[str, Any] = {
     },
 }
 CONFIGS = {
-    "tp_prefill_server_after_idle": LOOPS["normal"][1],
+    **{f"pd_prefill_server_after_idle_{loop}": {**LOOPS[loop][1], "pd_prefill": True} for loop in LOOPS},
     **{f"loop_idle_on_one_rank_{loop}": LOOPS[loop][1] for loop in LOOPS},
     **{f"loop_first_step_{loop}": LOOPS[loop][1] for loop in LOOPS},
 }
@@ -271,13 +285,18 @@ def test_a_rank_idle_alone_makes_no_collective_its_peer_does_not(two_ranks: TwoR
     assert ranks[0]["rounds"] == ranks[1]["rounds"] and None not in ranks[0]["rounds"]
 
 
-def test_a_prefill_server_reads_the_ledger_again_after_it_was_idle(two_ranks: TwoRanks) -> None:
-    """The PD prefill loops' iteration after an idle one admits by the agreed ledger on every
-    rank: the same outcome on both (run, or put back after rank 0's miss), never a round the
-    ranks admitted apart."""
-    ranks = two_ranks.scenario("tp_prefill_server_after_idle")
-    assert ranks[0] == ranks[1], ranks
-    assert ranks[0]["rounds"][1] in (["r1"], None) and ranks[0]["divergences"] == 0, ranks
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_prefill_server_reads_the_ledger_again_after_it_was_idle(two_ranks: TwoRanks, loop: str) -> None:
+    """The PD prefill loops' iterations after an idle one admit by the agreed ledger on every
+    rank: the same batches and collectives on both, both requests prefilled and sent, no
+    divergence, nothing leaked."""
+    ranks = two_ranks.scenario(f"pd_prefill_server_after_idle_{loop}")
+    assert ranks[0]["failure"] is None and ranks[1]["failure"] is None, ranks
+    assert ranks[0]["iterations"] == ranks[1]["iterations"], ranks
+    assert ranks[0]["collectives"] == ranks[1]["collectives"], ranks
+    for rank, result in ranks.items():
+        assert result["finished"] == ["r0", "r1"], (rank, result)
+        assert result["divergences"] == 0 and result["leaks"] == [], (rank, result)
 
 
 def test_an_iteration_reads_the_ledger_again_from_its_first_call() -> None:
