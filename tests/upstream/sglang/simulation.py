@@ -181,9 +181,17 @@ def _co_tenant_readings(seed: int, rank: int, most: int) -> Iterator[int]:
         yield rng.randint(0, most)
 
 
+ONE_RANK_GROUP = "this rank alone"
+
+
 def _group_name(group: Any) -> str:
+    """The group's name, alike on every rank for a group they share. A group of this rank alone
+    is named by that (each rank's own object has its own name, and upstream reduces over it where
+    a dimension has size 1, e.g. 0.5.20's PD poll over attention CP)."""
     if group is None:
         return "default"
+    if isinstance(group, dist.ProcessGroup) and group.size() == 1:
+        return ONE_RANK_GROUP
     return str(getattr(group, "group_name", type(group).__name__))
 
 
