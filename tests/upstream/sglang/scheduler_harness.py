@@ -559,6 +559,7 @@ class HarnessConfig:
     # its KV goes through upstream's fake transfer backend (the network is the I/O boundary);
     # the queues are built when the event loop driver is installed (Scheduler.init_disaggregation).
     pd_prefill: bool = False
+    enable_mixed_chunk: bool = False  # --enable-mixed-chunk
 
 
 class PhysicalMemory:
@@ -1160,6 +1161,7 @@ def _publish(cfg: HarnessConfig, model_dir: Path) -> ServerArgs:
             mamba_radix_cache_strategy=strategy,
             tp_size=cfg.tp_size,
             disaggregation_mode="prefill" if cfg.pd_prefill else "null",
+            enable_mixed_chunk=cfg.enable_mixed_chunk,
         )
 
     if not cfg.ping_pong:

@@ -23,7 +23,17 @@ one line that runs it alone.
 With HiCache on, most seeds let each device copy (a write-through backup, a load) land at a random
 later iteration, on each rank by its own schedule (`SimPlan.copy_landing`).
 
-Not simulated (stated, not hidden): L3 storage, speculative decoding, PD disaggregation.
+Some seeds, each drawn apart from the rest of the plan (so a seed's traffic is the same with or
+without them): a PD prefill server (`SimPlan.pd_prefill`: the disaggregated prefill loop, requests
+through the bootstrap queue, KV sent by upstream's fake transfer backend); mixed chunked prefill
+(`SimPlan.mixed_chunk`); and a one-rank quarantine (`SimPlan.quarantine`: rank 1's uniform reading
+lower than rank 0's for a window of iterations, as kvcached's quarantine or a shrink on one GPU
+makes it), where the ranks can admit apart: DIVERGED is then reached, and the seed passes only if
+every rank reads it alike (both put the round back, or both stop with PrefillRankDivergence at the
+same iteration, by name).
+
+Not simulated (stated, not hidden): L3 storage, HiCache buffer mode, speculative decoding, grammar
+requests, PD decode, dLLM, more than two ranks.
 """
 
 from __future__ import annotations
@@ -79,6 +89,18 @@ class SimRequest:
 
 
 @dataclass(frozen=True)
+class Quarantine:
+    """Rank 1's uniform reading lower than its free list says, for a window of iterations."""
+
+    tokens: int
+    first: int
+    last: int
+
+    def applies(self, iteration: int) -> bool:
+        return self.first <= iteration <= self.last
+
+
+@dataclass(frozen=True)
 class SimPlan:
     seed: int
     page_size: int
@@ -96,6 +118,12 @@ class SimPlan:
     mapped: tuple[int, int] = (0, 0)
     # The loop both ranks run: event_loop_overlap (the default server's) or event_loop_normal.
     overlap: bool = False
+    # A PD prefill server (the disaggregated prefill loop) instead of a plain one.
+    pd_prefill: bool = False
+    # --enable-mixed-chunk: a prefill chunk runs in one batch with the running decode requests.
+    mixed_chunk: bool = False
+    # Rank 1's uniform reading lowered by `tokens` from iteration `first` to `last` (None: never).
+    quarantine: Quarantine | None = None
 
     def summary(self) -> str:
         aborted = sum(r.aborted_at is not None for r in self.requests)
@@ -106,6 +134,13 @@ class SimPlan:
             f" copies landing per iteration {self.copy_landing[0]:.2f} / {self.copy_landing[1]:.2f},"
             f" held mapped {self.mapped[0]} / {self.mapped[1]} tokens,"
             f" {'event_loop_overlap' if self.overlap else 'event_loop_normal'}"
+            + (", PD prefill" if self.pd_prefill else "")
+            + (", mixed chunk" if self.mixed_chunk else "")
+            + (
+                f", rank 1 quarantines {q.tokens} tokens in iterations {q.first}-{q.last}"
+                if (q := self.quarantine)
+                else ""
+            )
         )
 
     def harness_config(self) -> dict[str, Any]:
@@ -117,6 +152,8 @@ class SimPlan:
             "hicache": self.hicache,
             "auto_complete_events": self.copy_landing == (1.0, 1.0),
             "enable_overlap": self.overlap,
+            "pd_prefill": self.pd_prefill,
+            "enable_mixed_chunk": self.mixed_chunk,
         }
 
 
@@ -163,7 +200,34 @@ def plan(seed: int) -> SimPlan:
         mapped=_mapped(seed, kv_tokens),
         # Drawn apart, so that what the seed decides above is the same with either loop.
         overlap=random.Random(f"{seed}-loop").random() < 0.5,
+        **_server_kind(seed, mamba),
+        quarantine=_quarantine(seed, page_size, kv_tokens),
     )
+
+
+def _server_kind(seed: int, mamba: bool) -> dict[str, bool]:
+    """A PD prefill server in some seeds, mixed chunked prefill in others (drawn apart). No PD
+    prefill with a Mamba pool: the harness's model is a Llama config beside Mamba pools, which
+    upstream's KV sender reads as a hybrid model's config (full_attention_layer_ids)."""
+    draw = random.Random(f"{seed}-server").random()
+    return {"pd_prefill": draw < 0.15 and not mamba, "mixed_chunk": 0.15 <= draw < 0.3}
+
+
+# The quarantine seeds run only where asked (CARRY_SIM_QUARANTINE=1): with them, a decode step
+# that one rank's own ledger retracts while its peer's runs it leaves the ranks in different votes
+# (seed 13: one stops with DecodeRankDivergence, the other reads a prefill DIVERGED and goes on
+# into a collective no peer makes), and one hung seed takes the run's other seeds with it.
+QUARANTINE_SEEDS = os.environ.get("CARRY_SIM_QUARANTINE") == "1"
+
+
+def _quarantine(seed: int, page_size: int, kv_tokens: int) -> Quarantine | None:
+    """In some seeds rank 1 quarantines a few pages (or most of its pool) for a while."""
+    rng = random.Random(f"{seed}-quarantine")
+    if not QUARANTINE_SEEDS or rng.random() >= 0.15:
+        return None
+    tokens = rng.choice((page_size, 4 * page_size, kv_tokens // 2, kv_tokens - 16))
+    first = rng.randint(0, 40)
+    return Quarantine(tokens, first, first + rng.choice((2, 8, 30)))
 
 
 def _mapped(seed: int, kv_tokens: int) -> tuple[int, int]:
@@ -246,6 +310,8 @@ class RankRecord:
     # Requests that ended without a reason, and the harness's leak report once idle.
     unfinished: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
+    # Prefill rounds this rank read as DIVERGED (put back).
+    divergences: int = 0
 
 
 def _aborted_rids(h: sh.Harness) -> set[str]:
@@ -286,9 +352,27 @@ def _recorded_step(driver: EventLoopDriver, made: list[Collective], record: Rank
     return it
 
 
+def _quarantine_on_rank_1(h: sh.Harness, quarantine: Quarantine, iteration: Callable[[], int]) -> None:
+    """Rank 1's uniform reading (what its own allocations and frees change, read alike on every
+    rank by construction) lowered while the quarantine applies: the one reading the agreement
+    trusts to be alike, made to differ, as kvcached's quarantine of a page on one GPU does."""
+    assert h.physical is not None
+    own_reading = h.physical.uniform
+
+    def reading() -> int:
+        lowered = quarantine.tokens if quarantine.applies(iteration()) else 0
+        return max(0, own_reading() - lowered)
+
+    h.physical.uniform = reading
+    h.token_to_kv_pool_allocator.uniform_available_size = reading
+
+
 def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
     """One rank's run of a seed (a MultiRoundScenario of test_rank_agreement.run_two_ranks)."""
     record = RankRecord()
+    now = [0]
+    if rank == 1 and sim.quarantine is not None:
+        _quarantine_on_rank_1(h, sim.quarantine, lambda: now[0])
     driver = (OverlapEventLoopDriver if sim.overlap else EventLoopDriver)(h)
     assert h.physical is not None, "the simulation needs the kvcached-shaped pool (elastic)"
     if sim.co_tenants[rank]:
@@ -318,6 +402,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
         # iteration, after they left.
         with recording_collectives(made), strict_idle_check_off():
             for iteration in range(MAX_ITERATIONS):
+                now[0] = iteration
                 if iteration == CO_TENANTS_LEAVE_AT:
                     h.physical.take(0)
                 _land_copies(h, copies, sim.copy_landing[rank] if iteration < CO_TENANTS_LEAVE_AT else 1.0)
@@ -343,6 +428,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
             # strict idle check.
             h.physical.take(0)
             _land_copies(h, copies, 1.0)
+            now[0] = MAX_ITERATIONS  # no quarantine outlives the traffic
             for strict in ("0",) * WIND_DOWN_ITERATIONS + ("1",):
                 with mock.patch.dict(os.environ, {STRICT_IDLE_CHECK: strict}):
                     _recorded_step(driver, made, record)
@@ -351,6 +437,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
             f"iteration {len(record.iterations)}: {type(error).__name__}: {str(error).splitlines()[0]}"
         )
     record.unfinished = sorted(set(reqs) - _ended(h, reqs))
+    record.divergences = int(h.scheduler.num_prefill_divergences)
     if record.failure is None:
         record.leaks = driver.idle_leaks if driver.idle_leaks is not None else ["never fully idle at an on_idle"]
     return asdict(record)
@@ -363,13 +450,36 @@ class SeedVerdict:
     collectives: int
     credited_steps: int
     failures: tuple[str, ...]
+    # Prefill rounds both ranks read as DIVERGED, and whether the seed ended with both stopping
+    # by name (PrefillRankDivergence at the same iteration).
+    diverged_rounds: int = 0
+    stopped_by_name: bool = False
+
+
+STOP_BY_NAME = "PrefillRankDivergence"
+
+
+def _stopped_by_name(failure: str | None) -> str | None:
+    """`iteration N: PrefillRankDivergence` where the rank stopped so (each rank's message names
+    what it admitted, so only the iteration and the name are compared)."""
+    if failure is None:
+        return None
+    where, _, rest = failure.partition(": ")
+    return f"{where}: {STOP_BY_NAME}" if rest.startswith(f"{STOP_BY_NAME}:") else None
 
 
 def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
-    """What the two ranks' records of a seed show, one line per failed check."""
+    """What the two ranks' records of a seed show, one line per failed check. Both ranks stopping
+    with PrefillRankDivergence at the same iteration is the safety net working, not a failure;
+    one rank stopping alone is one."""
     failures = []
     r0, r1 = ranks[0], ranks[1]
+    stopped_by_name = _stopped_by_name(r0["failure"]) is not None and _stopped_by_name(
+        r0["failure"]
+    ) == _stopped_by_name(r1["failure"])
     for rank, r in ranks.items():
+        if stopped_by_name:
+            continue  # the server stopped: what was running is not expected to end
         if r["failure"]:
             failures.append(f"rank {rank} raised at {r['failure']}")
         if r["unfinished"]:
@@ -391,12 +501,16 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
         if a != b:
             failures.append(f"iteration {i + 1}: rank 0's collectives {a}, rank 1's {b}")
             break
+    if r0["divergences"] != r1["divergences"]:
+        failures.append(f"diverged rounds: rank 0 read {r0['divergences']}, rank 1 {r1['divergences']}")
     return SeedVerdict(
         seed,
         len(r0["iterations"]),
         sum(len(c) for c in r0["collectives"]),
         r0["credited_steps"],
         tuple(failures),
+        diverged_rounds=r0["divergences"],
+        stopped_by_name=stopped_by_name,
     )
 
 

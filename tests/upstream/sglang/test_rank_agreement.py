@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import traceback
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 from unittest import mock
 
@@ -336,6 +336,7 @@ def _rank_body(
     scenarios: Mapping[str, MultiRoundScenario],
     kv_tokens: Mapping[str, int],
     configs: Mapping[str, Mapping[str, Any]],
+    divergence_expected: Collection[str] = EXPECTED_DIVERGENCE,
 ) -> Any:
     """One rank: every group built by both ranks in the same order, then the named scenarios."""
 
@@ -348,7 +349,7 @@ def _rank_body(
         def checked(name: str) -> dict[str, Any]:
             """The scenario under upstream's rank-consensus checker over its attention groups: a
             divergence it finds fails the scenario, unless the scenario makes the ranks' trees or
-            admissions differ on purpose (EXPECTED_DIVERGENCE), where it is recorded instead."""
+            admissions differ on purpose (`divergence_expected`), where it is recorded instead."""
             topology = "tp" if name in scenarios else RANK_SCENARIOS[name].topology
             groups = _groups(topology, rank, world, pair, singles)
             # What Scheduler.init_rank_consensus_checker gives it: the attention-CP and -TP groups
@@ -357,7 +358,7 @@ def _rank_body(
             with forked_ranks.rank_consensus_checked(attention) as verdict:
                 result = run(name)
             consensus[name] = bool(verdict.divergences)
-            if verdict.divergences and name not in EXPECTED_DIVERGENCE:
+            if verdict.divergences and name not in divergence_expected:
                 found = verdict.divergences[0][:2000]
                 raise AssertionError(f"upstream's rank-consensus checker found rank divergence: {found}")
             return result
@@ -417,10 +418,13 @@ def run_two_ranks(
     kv_tokens: Mapping[str, int] | None = None,
     configs: Mapping[str, Mapping[str, Any]] | None = None,
     timeout_s: float = RANK_TIMEOUT_S,
+    divergence_expected: Collection[str] = (),
 ) -> TwoRanks:
     """Run the named scenarios on two forked gloo ranks: RANK_SCENARIOS, and multi-round ones
     from `scenarios` (this module's by default), built with `kv_tokens` and the harness options
-    of `configs` where named."""
+    of `configs` where named. Upstream's rank-consensus checker is on in every one; where it fires
+    the scenario fails, except in EXPECTED_DIVERGENCE and `divergence_expected` (made to differ on
+    purpose), where `TwoRanks.checker_fired` tells."""
     with sh.build_harness():  # import sglang's model registry once, before forking
         pass
     body = _rank_body(
@@ -428,6 +432,7 @@ def run_two_ranks(
         MULTI_ROUND_SCENARIOS if scenarios is None else scenarios,
         KV_TOKENS if kv_tokens is None else kv_tokens,
         configs or {},
+        EXPECTED_DIVERGENCE | frozenset(divergence_expected),
     )
     results, errors = forked_ranks.run_forked_ranks(
         body, ranks=RANKS, timeout_s=timeout_s, collective_timeout_s=30

@@ -5,8 +5,9 @@ Two forked gloo ranks with distinct group objects run every seed of CARRY_SIM_SE
 readings drift per rank, paged allocations counted against its mapped memory, the decode credit
 on where a rank holds memory mapped), under upstream's rank-consensus checker, on the line under test.
 One line is printed, `simulation (sglang V): N seeds, M iterations, K collectives, C credited
-steps, F failures`, also at the end of the run's output, then, for each failing seed, what failed
-and the command that replays it. The test fails when any seed does.
+steps, D diverged rounds read alike (S seeds stopped alike by name), P PD prefill, X mixed chunk,
+F failures`, also at the end of the run's output, then, for each failing seed, what failed and the
+command that replays it. The test fails when any seed does.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def simulated(seeds: list[int]) -> tuple[dict[int, sim.SimPlan], TwoRanks]:
         {},
         {name: plan.harness_config() for name, plan in names.items()},
         timeout_s=RUN_TIMEOUT_S,
+        # A quarantine makes the ranks' one trusted-alike reading differ on purpose: where they
+        # then admit apart, upstream's checker sees their calls differ as the vote does.
+        divergence_expected={name for name, plan in names.items() if plan.quarantine is not None},
     )
     return plans, ranks
 
@@ -72,7 +76,11 @@ def test_every_seed_runs_the_same_batches_and_collectives_on_both_ranks(
         f"simulation (sglang {_line()}): {len(verdicts)} seeds,"
         f" {sum(v.iterations for v in verdicts)} iterations,"
         f" {sum(v.collectives for v in verdicts)} collectives,"
-        f" {sum(v.credited_steps for v in verdicts)} credited steps, {len(failed)} failures"
+        f" {sum(v.credited_steps for v in verdicts)} credited steps,"
+        f" {sum(v.diverged_rounds for v in verdicts)} diverged rounds read alike"
+        f" ({sum(v.stopped_by_name for v in verdicts)} seeds stopped alike by name),"
+        f" {sum(p.pd_prefill for p in plans.values())} PD prefill,"
+        f" {sum(p.mixed_chunk for p in plans.values())} mixed chunk, {len(failed)} failures"
         + (f" ({len(known)} known: seeds {', '.join(str(v.seed) for v in known)})" if known else "")
     ]
     problems = []
