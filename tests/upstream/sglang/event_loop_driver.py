@@ -179,7 +179,9 @@ def check_tree(overlap: bool = False, pd_prefill: bool = False) -> None:
         for hook in hooks:
             found = source.find(hook, at)
             if found < 0:
-                raise EventLoopUnsupported(f"{method} of this tree no longer makes {hook!r} where the driver expects it")
+                raise EventLoopUnsupported(
+                    f"{method} of this tree no longer makes {hook!r} where the driver expects it"
+                )
             at = found + len(hook)
 
 
@@ -281,10 +283,7 @@ class EventLoopDriver:
             self.receiver.run_one_iteration(STEP_BOUND_S)
         if self._outcome is not None:
             raise self._outcome
-        if self._paused:
-            it = Iteration("PAUSED", ())
-        else:
-            it = Iteration.of(self.scheduler.last_batch)
+        it = Iteration("PAUSED", ()) if self._paused else Iteration.of(self.scheduler.last_batch)
         self.iterations.append(it)
         return it
 
@@ -380,7 +379,9 @@ class IterationGate:
         with self._turn:
             self._receives += 1
             self._turn.notify_all()
-            if not self._turn.wait_for(lambda: self._granted >= self._receives or self._stopping, LOOP_WAIT_S):
+            if not self._turn.wait_for(
+                lambda: self._granted >= self._receives or self._stopping, LOOP_WAIT_S
+            ):
                 raise LoopStopped(f"no step for {LOOP_WAIT_S} s: the test left its loop")
             if self._stopping:
                 raise LoopStopped("the harness closed")
@@ -931,7 +932,11 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
     #    in-flight queues, the metadata buffers, upstream's fake transfer backend's KV manager).
     if cfg.pd_prefill:
         s.init_disaggregation()
-        i.names.append("disagg_prefill_bootstrap_queue, disagg_prefill_inflight_queue, ... (init_disaggregation)")
-        # prefill.py:1496 records a CUDA event for a cached prefix sent early: the device boundary.
-        h._stack.enter_context(mock.patch.object(torch.cuda, "Event", h.device.Event))
+        i.names.append(
+            "disagg_prefill_bootstrap_queue, disagg_prefill_inflight_queue, ... (init_disaggregation)"
+        )
+        # prefill.py:1496 records a CUDA event for a cached prefix sent early: the device boundary
+        # (on a real GPU, its own events).
+        if isinstance(h.device, sh.FakeDeviceModule):
+            h._stack.enter_context(mock.patch.object(torch.cuda, "Event", h.device.Event))
     driver.installed = i.names

@@ -439,7 +439,9 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
     record.unfinished = sorted(set(reqs) - _ended(h, reqs))
     record.divergences = int(h.scheduler.num_prefill_divergences)
     if record.failure is None:
-        record.leaks = driver.idle_leaks if driver.idle_leaks is not None else ["never fully idle at an on_idle"]
+        record.leaks = (
+            driver.idle_leaks if driver.idle_leaks is not None else ["never fully idle at an on_idle"]
+        )
     return asdict(record)
 
 

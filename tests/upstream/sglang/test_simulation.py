@@ -13,7 +13,6 @@ command that replays it. The test fails when any seed does.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import Any
 
