@@ -310,8 +310,9 @@ class RankRecord:
     # Requests that ended without a reason, and the harness's leak report once idle.
     unfinished: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
-    # Prefill rounds this rank read as DIVERGED (put back).
+    # Prefill rounds this rank read as DIVERGED (put back), and the agreement's votes it made.
     divergences: int = 0
+    votes: int = 0
 
 
 def _aborted_rids(h: sh.Harness) -> set[str]:
@@ -438,6 +439,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
         )
     record.unfinished = sorted(set(reqs) - _ended(h, reqs))
     record.divergences = int(h.scheduler.num_prefill_divergences)
+    record.votes = int(agreement.votes)
     if record.failure is None:
         record.leaks = (
             driver.idle_leaks if driver.idle_leaks is not None else ["never fully idle at an on_idle"]
@@ -458,30 +460,36 @@ class SeedVerdict:
     stopped_by_name: bool = False
 
 
-STOP_BY_NAME = "PrefillRankDivergence"
+# What a rank of a group stops with where the ranks' states have parted, alike on every rank.
+STOPS_BY_NAME = ("PrefillRankDivergence", "RankVotesParted")
 
 
-def _stopped_by_name(failure: str | None) -> str | None:
-    """`iteration N: PrefillRankDivergence` where the rank stopped so (each rank's message names
-    what it admitted, so only the iteration and the name are compared)."""
-    if failure is None:
-        return None
-    where, _, rest = failure.partition(": ")
-    return f"{where}: {STOP_BY_NAME}" if rest.startswith(f"{STOP_BY_NAME}:") else None
+def _stop_name(failure: str | None) -> str | None:
+    """The name a rank stopped with (`iteration N: Name: message`), where it is one of
+    STOPS_BY_NAME."""
+    parts = (failure or "").split(": ")
+    return parts[1] if len(parts) > 2 and parts[1] in STOPS_BY_NAME else None
 
 
 def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
     """What the two ranks' records of a seed show, one line per failed check. Both ranks stopping
-    with PrefillRankDivergence at the same iteration is the safety net working, not a failure;
-    one rank stopping alone is one."""
-    failures = []
+    by the same name at the same vote is the safety net working, not a failure (where the ranks
+    parted they may stop an iteration apart: a rank that retracted made no vote in it); one rank
+    stopping alone is one."""
+    failures: list[str] = []
     r0, r1 = ranks[0], ranks[1]
-    stopped_by_name = _stopped_by_name(r0["failure"]) is not None and _stopped_by_name(
-        r0["failure"]
-    ) == _stopped_by_name(r1["failure"])
+    stop = _stop_name(r0["failure"])
+    if stop is not None and stop == _stop_name(r1["failure"]) and r0["votes"] == r1["votes"]:
+        return SeedVerdict(
+            seed,
+            len(r0["iterations"]),
+            sum(len(c) for c in r0["collectives"]),
+            r0["credited_steps"],
+            (),
+            diverged_rounds=r0["divergences"],
+            stopped_by_name=True,
+        )
     for rank, r in ranks.items():
-        if stopped_by_name:
-            continue  # the server stopped: what was running is not expected to end
         if r["failure"]:
             failures.append(f"rank {rank} raised at {r['failure']}")
         if r["unfinished"]:
@@ -512,7 +520,6 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
         r0["credited_steps"],
         tuple(failures),
         diverged_rounds=r0["divergences"],
-        stopped_by_name=stopped_by_name,
     )
 
 
