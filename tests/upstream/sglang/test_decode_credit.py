@@ -33,6 +33,7 @@ from test_rank_agreement import (
     TwoRanks,
     _drifting,
     agrees_by_deficit,
+    ballot_head_fields,
     run_two_ranks,
 )
 
@@ -203,7 +204,8 @@ def test_steps_the_ranks_agreed_no_rank_can_miss_run_without_a_vote(two_ranks: T
         # The first step's vote agreed rank 1's deficit too: the step after the credit retracts
         # by the ledger before it allocates, alike on both ranks, instead of missing.
         assert steps[4]["misses"] == 0 and steps[4]["votes"] == 1
-        assert ranks[0]["vote_sizes"] == [6]  # 4 fields, a deficit, the guaranteed reading
+        # The ballot's head fields, a deficit, the guaranteed reading.
+        assert ranks[0]["vote_sizes"] == [ballot_head_fields() + 2]
     else:
         assert steps[4]["misses"] == 1 and steps[4]["votes"] == 2  # the miss, then the retry
         assert ranks[0]["vote_sizes"] == [5]

@@ -47,6 +47,33 @@ def _tree_state(h: sh.Harness) -> dict[str, int]:
     return {"evictable": cache.evictable_size(), "protected": cache.protected_size()}
 
 
+def _own_reading(pool: Any) -> int:
+    """A pool's free space from its own allocations and frees alone (alike on ranks that
+    allocated alike; a co-tenant does not move it)."""
+    return int(getattr(pool, "uniform_available_size", pool.available_size)())
+
+
+def _take_back_state(h: sh.Harness) -> dict[str, int]:
+    """What a load taken back must leave as if it was never queued: the controller's load queue
+    and the next operation id (which the ranks' later loads are numbered from), the device rows of
+    the full-attention pool and the side pool's (Mamba) slots it allocated."""
+    from sglang.srt.managers.cache_controller import CacheOperation
+
+    controller = h.tree_cache.cache_controller
+    assert controller is not None, "built without hicache"
+    # The Mamba slots' allocator (0.5.23: mamba_allocator; before: the pool allocates itself).
+    req_to_token_pool = h.scheduler.req_to_token_pool
+    mamba_slots = getattr(req_to_token_pool, "mamba_allocator", None) or getattr(
+        req_to_token_pool, "mamba_pool", None
+    )
+    return {
+        "queued_loads": len(controller.load_queue),
+        "next_operation_id": CacheOperation.counter,
+        "kv_free": _own_reading(h.token_to_kv_pool_allocator),
+        "mamba_free": -1 if mamba_slots is None else _own_reading(mamba_slots),
+    }
+
+
 def _load_back_misses_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any]:
     sched = h.scheduler
     h.put_prefix_on_host(PREFIX)
@@ -57,6 +84,7 @@ def _load_back_misses_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any]:
             _after_the_agreement_before_admission(sched, stack, lambda: stack.enter_context(_cotenant(h, 8)))
         batch = h.run_round()
         first = {
+            "take_back": _take_back_state(h),
             "batch": _rids(batch),
             "prefix": None if batch is None else [sh.prefix_len(r) for r in batch.reqs],
             "loads": _h2d_loads(h),
@@ -112,3 +140,13 @@ def test_the_ranks_trees_stay_alike_after_it(ranks: Ranks) -> None:
     assert ranks[0] == ranks[1]
     assert ranks[0]["divergences"] == 0
     assert ranks[0]["retries"][-1] == ["r0"]  # the request ran, on both ranks alike
+
+
+def test_the_load_taken_back_leaves_what_a_load_never_queued_leaves(ranks: Ranks) -> None:
+    """Rank 0's allocation succeeded and it queued the load; rank 1's missed. Rank 0 takes its load
+    back: out of the queue, its operation id given back (the ranks number their later loads
+    alike), its device rows and its Mamba slots freed, as on rank 1, which never queued one."""
+    taken_back = [ranks[rank]["first"]["take_back"] for rank in (0, 1)]
+    assert taken_back[0] == taken_back[1], taken_back
+    assert taken_back[0]["queued_loads"] == 0, taken_back
+    assert taken_back[0]["mamba_free"] >= 0, "the scenario's pool has no Mamba side pool to check"

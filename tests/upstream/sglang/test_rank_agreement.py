@@ -53,6 +53,15 @@ def agrees_by_deficit(sched: Any) -> bool:
     return hasattr(sched._prefill_agreement, "reads_ledger")
 
 
+def ballot_head_fields() -> int:
+    """A RankAgreement ballot's fields before its deficits: whether it missed, the fingerprint
+    twice, the batch size; from series entry 'ranks that meet in different votes stop alike' on,
+    the vote's kind twice more."""
+    from sglang.srt.mem_cache import rank_agreement
+
+    return 6 if hasattr(rank_agreement, "VoteKind") else 4
+
+
 def _reads_the_ledger(sched: Any) -> bool:
     """Whether the scheduler's pools read the agreed ledger now. The series' first agreement
     (AgreedCapacity) keeps it while `current`; from RankAgreement on (one object, agreed on the
@@ -1019,15 +1028,17 @@ def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
         # One reading per pool that reports free space (a KV cache, a Mamba state pool: none).
         readings = int(callable(getattr(declaring, "available_size", None)))
         by_deficit = agrees_by_deficit(h.scheduler)
+        head = ballot_head_fields() if by_deficit else 4
         if by_deficit:
             # RankAgreement: one ballot, its deficits (uniform minus real: 0 for sglang's own
             # pools) in every vote, also before the first admission.
-            assert [len(vote) for vote in free_space] in ([], [4 + readings])
-            assert all(vote[4:] == [0] * readings for vote in free_space)
+            assert [len(vote) for vote in free_space] in ([], [head + readings])
+            assert all(vote[head:] == [0] * readings for vote in free_space)
         else:
             assert len(free_space) == readings
             assert all(free < 0 for free in (free_space or [[-1]])[0])  # MIN as MAX of negatives
-        missed, fingerprint, neg_fingerprint, batch_size, *carried = votes[-1]
+        missed, fingerprint, neg_fingerprint, batch_size = votes[-1][:4]
+        carried = votes[-1][head:]
         assert (missed, batch_size) == (0, 1) and fingerprint == -neg_fingerprint != 0
         assert len(carried) == readings
         assert all(deficit == 0 if by_deficit else deficit < 0 for deficit in carried)
