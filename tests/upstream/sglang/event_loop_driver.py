@@ -729,8 +729,9 @@ def _install(driver: EventLoopDriver, h: sh.Harness) -> None:
     i.set("return_health_check_ipcs", collections.deque, by="init_running_status")
     i.set("session_controller", lambda: SessionController(s.tree_cache), by="init_running_status")
     # -- what ingest_requests reads (the loop's first call): the request receiver is the I/O
-    #    boundary (ZMQ sockets and the TP broadcast of what arrived), here one at which nothing
-    #    arrives: a test queues its requests between iterations, where they would have arrived.
+    #    boundary (ZMQ sockets and the TP broadcast of what arrived), here the driver's gate: the
+    #    loop waits there for the next step and receives what the test delivered; a test queues
+    #    its requests between iterations, where they would have arrived.
     i.set("request_receiver", lambda: driver.receiver, by="init_request_receiver")
     i.set("_deferred_input_requests", list, by="init_running_status")  # 0.5.23
     i.set(

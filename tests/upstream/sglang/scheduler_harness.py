@@ -605,7 +605,7 @@ class PhysicalMemory:
         # kvcached's rank-local pool interface: its own two readings, and the agreed deficit its
         # available_size() then reads by (None: the real reading).
         self.agreed_deficit: int | None = None
-        allocator.uniform_available_size = self.uniform
+        allocator.uniform_available_size = lambda: self.uniform()  # read afresh: see quarantine()
         allocator.real_available_size = self.available
         allocator.agree_deficit = self.agree_deficit
         allocator.available_size = self.reading
@@ -649,6 +649,13 @@ class PhysicalMemory:
     def available(self) -> int:
         unmapped = max(0, self.uniform() - self.mapped_free)
         return self.mapped_free + max(0, unmapped - self.taken())
+
+    def quarantine(self, tokens: Callable[[], int]) -> None:
+        """This rank's uniform reading lowered by `tokens()` at every read (not below 0): the one
+        reading the ranks' agreement trusts to be alike made to differ, as kvcached's quarantine
+        of pages, or a shrink, on one GPU makes it."""
+        own_reading = self.uniform
+        self.uniform = lambda: max(0, own_reading() - tokens())
 
     def hold_mapped(self, tokens: int) -> None:
         """This rank holds `tokens` of its free space mapped (at most all of it)."""

@@ -362,14 +362,7 @@ def _quarantine_on_rank_1(h: sh.Harness, quarantine: Quarantine, iteration: Call
     rank by construction) lowered while the quarantine applies: the one reading the agreement
     trusts to be alike, made to differ, as kvcached's quarantine of a page on one GPU does."""
     assert h.physical is not None
-    own_reading = h.physical.uniform
-
-    def reading() -> int:
-        lowered = quarantine.tokens if quarantine.applies(iteration()) else 0
-        return max(0, own_reading() - lowered)
-
-    h.physical.uniform = reading
-    h.token_to_kv_pool_allocator.uniform_available_size = reading
+    h.physical.quarantine(lambda: quarantine.tokens if quarantine.applies(iteration()) else 0)
 
 
 def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:

@@ -126,10 +126,7 @@ def _one_rank_admits_nothing(h: sh.Harness, rank: int, loop: str) -> dict[str, A
     driver: EventLoopDriver = LOOPS[loop][0](h)
     assert h.physical is not None
     if rank == 1:
-        own_reading = h.physical.uniform
-        lowered = lambda: own_reading() - (h.cfg.kv_tokens - 16)  # noqa: E731
-        h.physical.uniform = lowered
-        h.token_to_kv_pool_allocator.uniform_available_size = lowered
+        h.physical.quarantine(lambda: h.cfg.kv_tokens - 16)
     _queue(h, 0, 64, max_new_tokens=4)
     stopped = None
     try:

@@ -43,10 +43,7 @@ def _rank_1_reading_drops_while_decoding(h: sh.Harness, rank: int, loop: str) ->
         with sim.strict_idle_check_off():
             driver.run(ITERATIONS_BEFORE_THE_DROP)
             if rank == 1:
-                own_reading = h.physical.uniform
-                lowered = lambda: max(0, own_reading() - (h.cfg.kv_tokens - 8))  # noqa: E731
-                h.physical.uniform = lowered
-                h.token_to_kv_pool_allocator.uniform_available_size = lowered
+                h.physical.quarantine(lambda: h.cfg.kv_tokens - 8)
             _queue(h, 2, PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS)
             driver.run(ITERATIONS_AFTER_THE_DROP)
     except Exception as error:  # the scheduler stopping, or its loop stuck in a collective
