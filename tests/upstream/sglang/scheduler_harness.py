@@ -651,11 +651,24 @@ class PhysicalMemory:
         return self.mapped_free + max(0, unmapped - self.taken())
 
     def quarantine(self, tokens: Callable[[], int]) -> None:
-        """This rank's uniform reading lowered by `tokens()` at every read (not below 0): the one
+        """This rank's uniform reading lowered by `tokens()` (read at every reading): the one
         reading the ranks' agreement trusts to be alike made to differ, as kvcached's quarantine
-        of pages, or a shrink, on one GPU makes it."""
+        of pages, or a shrink, on one GPU makes it. What it lowers are pages not mapped: each new
+        amount is taken, at the first reading that sees it, from the unmapped free space then (at
+        most all of it) and held until the amount changes, so that the reading still moves by the
+        pool's own calls alone, as kvcached's does with pages quarantined."""
         own_reading = self.uniform
-        self.uniform = lambda: max(0, own_reading() - tokens())
+        asked, held = 0, 0
+
+        def reading() -> int:
+            nonlocal asked, held
+            own = own_reading()
+            if tokens() != asked:
+                asked = tokens()
+                held = min(asked, max(0, own - self.mapped_free))
+            return own - held
+
+        self.uniform = reading
 
     def hold_mapped(self, tokens: int) -> None:
         """This rank holds `tokens` of its free space mapped (at most all of it)."""

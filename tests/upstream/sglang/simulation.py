@@ -213,21 +213,10 @@ def _server_kind(seed: int, mamba: bool) -> dict[str, bool]:
     return {"pd_prefill": draw < 0.15 and not mamba, "mixed_chunk": 0.15 <= draw < 0.3}
 
 
-# The quarantine seeds run only where asked (CARRY_SIM_QUARANTINE=1): where one rank's own ledger
-# retracts a decode step its peer runs, the ranks part. Series entry 'ranks that meet in different
-# votes stop alike' stops both by name where they meet in votes of different kinds (seeds 13, 93,
-# 100, 136 of 0-199; seed 7 stops with PrefillRankDivergence), but with HiCache the parted ranks can
-# meet in a load-back's all-reduce on one rank and upstream's HiCache all-reduce of another size on
-# the other, where gloo aborts the process (seeds 65, 147, 178), and seed 157 does not end within
-# 120 s: 30 of the 34 quarantine seeds of 0-199 pass on 0.5.23. One such seed takes the run's other
-# seeds with it.
-QUARANTINE_SEEDS = os.environ.get("CARRY_SIM_QUARANTINE") == "1"
-
-
 def _quarantine(seed: int, page_size: int, kv_tokens: int) -> Quarantine | None:
     """In some seeds rank 1 quarantines a few pages (or most of its pool) for a while."""
     rng = random.Random(f"{seed}-quarantine")
-    if not QUARANTINE_SEEDS or rng.random() >= 0.15:
+    if rng.random() >= 0.15:
         return None
     tokens = rng.choice((page_size, 4 * page_size, kv_tokens // 2, kv_tokens - 16))
     first = rng.randint(0, 40)

@@ -62,6 +62,15 @@ def ballot_head_fields() -> int:
     return 6 if hasattr(rank_agreement, "VoteKind") else 4
 
 
+def ballot_fields_per_pool() -> int:
+    """A RankAgreement ballot's fields per rank-local pool: its deficit; from series entry 'the
+    ranks agree on the least free space, not only the largest deficit' on, also what the rank had
+    free before it allocated."""
+    from sglang.srt.mem_cache import rank_agreement
+
+    return 2 if "free_before" in rank_agreement.Ballot.__dataclass_fields__ else 1
+
+
 def _reads_the_ledger(sched: Any) -> bool:
     """Whether the scheduler's pools read the agreed ledger now. The series' first agreement
     (AgreedCapacity) keeps it while `current`; from RankAgreement on (one object, agreed on the
@@ -1029,18 +1038,19 @@ def test_a_rank_local_pool_turns_the_agreement_on(pool: str) -> None:
         readings = int(callable(getattr(declaring, "available_size", None)))
         by_deficit = agrees_by_deficit(h.scheduler)
         head = ballot_head_fields() if by_deficit else 4
+        per_pool = ballot_fields_per_pool() if by_deficit else 1
         if by_deficit:
             # RankAgreement: one ballot, its deficits (uniform minus real: 0 for sglang's own
             # pools) in every vote, also before the first admission.
-            assert [len(vote) for vote in free_space] in ([], [head + readings])
-            assert all(vote[head:] == [0] * readings for vote in free_space)
+            assert [len(vote) for vote in free_space] in ([], [head + per_pool * readings])
+            assert all(vote[head : head + readings] == [0] * readings for vote in free_space)
         else:
             assert len(free_space) == readings
             assert all(free < 0 for free in (free_space or [[-1]])[0])  # MIN as MAX of negatives
         missed, fingerprint, neg_fingerprint, batch_size = votes[-1][:4]
-        carried = votes[-1][head:]
+        carried = votes[-1][head : head + readings]
         assert (missed, batch_size) == (0, 1) and fingerprint == -neg_fingerprint != 0
-        assert len(carried) == readings
+        assert len(votes[-1]) == head + per_pool * readings
         assert all(deficit == 0 if by_deficit else deficit < 0 for deficit in carried)
         assert len(votes) == per_admitting_round  # the empty round made no collective
 

@@ -117,16 +117,18 @@ def _only_a_grammar_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]
 
 
 def _one_rank_admits_nothing(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
-    """Rank 1's own reading of its free space (its uniform one) is lower than rank 0's, as
-    kvcached's quarantine or a shrink on one GPU makes it: rank 0 admits the request, rank 1
-    nothing. DIVERGED is the safety net, and every rank must reach it alike: both put the round
-    back, both count it, and the third such round stops both with PrefillRankDivergence, by name.
-    A rank that votes only where it admitted leaves its peer alone in the vote, or a divergence
-    seen by one rank only, and the ranks part (a hang)."""
+    """Rank 1's own reading of its free space (its uniform one) drops by most of its pool after
+    every other vote and comes back after the next, as kvcached's quarantine or a shrink on one
+    GPU makes it, each time after the ranks agreed on it: in every round one rank admits the
+    request and its peer nothing. DIVERGED is the safety net, and every rank must reach it alike:
+    both put the round back, both count it, and the third such round stops both with
+    PrefillRankDivergence, by name. A rank that votes only where it admitted leaves its peer alone
+    in the vote, or a divergence seen by one rank only, and the ranks part (a hang)."""
     driver: EventLoopDriver = LOOPS[loop][0](h)
     assert h.physical is not None
     if rank == 1:
-        h.physical.quarantine(lambda: h.cfg.kv_tokens - 16)
+        agreement = h.scheduler._prefill_agreement
+        h.physical.quarantine(lambda: h.cfg.kv_tokens - 16 if agreement.votes % 2 else 0)
     _queue(h, 0, 64, max_new_tokens=4)
     stopped = None
     try:

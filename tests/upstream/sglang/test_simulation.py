@@ -6,8 +6,8 @@ readings drift per rank, paged allocations counted against its mapped memory, th
 on where a rank holds memory mapped), under upstream's rank-consensus checker, on the line under test.
 One line is printed, `simulation (sglang V): N seeds, M iterations, K collectives, C credited
 steps, D diverged rounds read alike (S seeds stopped alike by name), P PD prefill, X mixed chunk,
-F failures`, also at the end of the run's output, then, for each failing seed, what failed and the
-command that replays it. The test fails when any seed does.
+Q one-rank quarantines, F failures`, also at the end of the run's output, then, for each failing
+seed, what failed and the command that replays it. The test fails when any seed does.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def test_every_seed_runs_the_same_batches_and_collectives_on_both_ranks(
         f" {sum(v.diverged_rounds for v in verdicts)} diverged rounds read alike"
         f" ({sum(v.stopped_by_name for v in verdicts)} seeds stopped alike by name),"
         f" {sum(p.pd_prefill for p in plans.values())} PD prefill,"
-        f" {sum(p.mixed_chunk for p in plans.values())} mixed chunk, {len(failed)} failures"
+        f" {sum(p.mixed_chunk for p in plans.values())} mixed chunk,"
+        f" {sum(p.quarantine is not None for p in plans.values())} one-rank quarantines,"
+        f" {len(failed)} failures"
         + (f" ({len(known)} known: seeds {', '.join(str(v.seed) for v in known)})" if known else "")
     ]
     problems = []

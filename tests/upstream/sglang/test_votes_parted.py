@@ -4,24 +4,30 @@ The ranks of a group agree through one vote kind at a time (a bare agreement, a 
 decode step), each one all-reduce of the same shape. Where the ranks' states have parted, one rank
 can be in a decode step's vote while its peer is in a prefill round's, and each reads the other's
 ballot as its own vote's: found by the simulation (a one-rank quarantine, seed 13 with
-CARRY_SIM_QUARANTINE=1), here on SGLang's real event loops, two gloo ranks, upstream's
-rank-consensus checker on. Rank 1's uniform reading drops below what its running batch needs (as
-kvcached's quarantine of pages on one GPU makes it), so its own decode check retracts the batch
-while rank 0 decodes it and votes: rank 0 stops with DecodeRankDivergence, and rank 1, which met
-that ballot in its next prefill round's vote, reads one DIVERGED round and goes on into a
-collective no peer makes. With the entry every ballot names its vote's kind, and both ranks stop at
-that vote with RankVotesParted.
+CARRY_SIM_QUARANTINE=1, where rank 1's own decode check retracted a batch rank 0 decoded; series
+entry 'a decode step's retraction is the vote's' removed that cause). Here, on SGLang's real event
+loops, two gloo ranks, upstream's rank-consensus checker on, rank 1 alone decides for one iteration
+that its decode step does not fit (standing for any decision a rank makes from its own state) and
+retracts its whole batch, while rank 0 decodes it and votes: without the entry rank 0 stops with
+DecodeRankDivergence, and rank 1, which met that ballot in its next prefill round's vote, reads one
+DIVERGED round and goes on into a collective no peer makes. With the entry every ballot names its
+vote's kind, and both ranks stop at that vote with RankVotesParted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import scheduler_harness as sh
 import simulation as sim
 from event_loop_driver import EventLoopDriver
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.scheduler import Scheduler
 from test_event_loop_driver import LOOPS, _queue
 from test_rank_agreement import TwoRanks, run_two_ranks
 
@@ -33,7 +39,7 @@ ITERATIONS_BEFORE_THE_DROP = 4
 ITERATIONS_AFTER_THE_DROP = 6
 
 
-def _rank_1_reading_drops_while_decoding(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
+def _rank_1_retracts_alone(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
     driver: EventLoopDriver = LOOPS[loop][0](h)
     assert h.physical is not None
     h.physical.take(0)
@@ -42,8 +48,8 @@ def _rank_1_reading_drops_while_decoding(h: sh.Harness, rank: int, loop: str) ->
     try:
         with sim.strict_idle_check_off():
             driver.run(ITERATIONS_BEFORE_THE_DROP)
-            if rank == 1:
-                h.physical.quarantine(lambda: h.cfg.kv_tokens - 8)
+            with _decode_does_not_fit() if rank == 1 else contextlib.nullcontext():
+                driver.run(1)
             _queue(h, 2, PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS)
             driver.run(ITERATIONS_AFTER_THE_DROP)
     except Exception as error:  # the scheduler stopping, or its loop stuck in a collective
@@ -57,9 +63,18 @@ def _rank_1_reading_drops_while_decoding(h: sh.Harness, rank: int, loop: str) ->
     }
 
 
-SCENARIOS = {
-    f"parted_{loop}": functools.partial(_rank_1_reading_drops_while_decoding, loop=loop) for loop in LOOPS
-}
+@contextlib.contextmanager
+def _decode_does_not_fit() -> Iterator[None]:
+    """This rank reads its decode step as not fitting, and every request as not fitting alone (so
+    it retracts them all), wherever the tree reads it."""
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(ScheduleBatch, "check_decode_mem", return_value=False))
+        if hasattr(Scheduler, "_decode_fits"):
+            patches.enter_context(mock.patch.object(Scheduler, "_decode_fits", return_value=False))
+        yield
+
+
+SCENARIOS = {f"parted_{loop}": functools.partial(_rank_1_retracts_alone, loop=loop) for loop in LOOPS}
 CONFIGS = {f"parted_{loop}": LOOPS[loop][1] for loop in LOOPS}
 
 
