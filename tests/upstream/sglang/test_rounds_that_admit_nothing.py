@@ -33,7 +33,7 @@ import scheduler_harness as sh
 import simulation as sim
 from event_loop_driver import EventLoopDriver
 from test_event_loop_driver import LOOPS, _queue
-from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
+from test_rank_agreement import TwoRanks, _drifting, ballot_fields_per_pool, run_two_ranks
 
 
 def _third_request_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
@@ -117,18 +117,25 @@ def _only_a_grammar_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]
 
 
 def _one_rank_admits_nothing(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
-    """Rank 1's own reading of its free space (its uniform one) drops by most of its pool after
-    every other vote and comes back after the next, as kvcached's quarantine or a shrink on one
-    GPU makes it, each time after the ranks agreed on it: in every round one rank admits the
-    request and its peer nothing. DIVERGED is the safety net, and every rank must reach it alike:
-    both put the round back, both count it, and the third such round stops both with
+    """Rank 1's own reading of its free space (its uniform one) is lower than rank 0's by most of
+    its pool, as kvcached's quarantine or a shrink on one GPU makes it: in every round one rank
+    admits the request and its peer nothing. DIVERGED is the safety net, and every rank must reach
+    it alike: both put the round back, both count it, and the third such round stops both with
     PrefillRankDivergence, by name. A rank that votes only where it admitted leaves its peer alone
-    in the vote, or a divergence seen by one rank only, and the ranks part (a hang)."""
+    in the vote, or a divergence seen by one rank only, and the ranks part (a hang).
+
+    From series entry 'the ranks agree on the least free space' on, every vote agrees the least
+    reading, so a reading that stays lower no longer parts the ranks' admissions: there it drops
+    after every other vote and comes back after the next, each time after the ranks agreed."""
     driver: EventLoopDriver = LOOPS[loop][0](h)
     assert h.physical is not None
     if rank == 1:
         agreement = h.scheduler._prefill_agreement
-        h.physical.quarantine(lambda: h.cfg.kv_tokens - 16 if agreement.votes % 2 else 0)
+        drop = h.cfg.kv_tokens - 16
+        if ballot_fields_per_pool() > 1:
+            h.physical.quarantine(lambda: drop if agreement.votes % 2 else 0)
+        else:
+            h.physical.quarantine(lambda: drop)
     _queue(h, 0, 64, max_new_tokens=4)
     stopped = None
     try:
