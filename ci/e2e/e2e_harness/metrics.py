@@ -19,7 +19,9 @@ SCRAPE_TIMEOUT_S = 10.0
 class SeriesCounter:
     """A Prometheus counter the series adds, and the hook's counter of the same events (None: the
     hook does not count them; the value is shown, not compared). `at_least`: the exported count
-    may exceed the hook's (the unwind's counter also counts rounds that put back no batch)."""
+    may exceed the hook's (the unwind's counter also counts rounds that put back no batch; the
+    decode misses' counter also counts a step's first miss, which waits for the host backups in
+    flight and tries again before it retracts anyone)."""
 
     metric: str
     hook_counter: str | None
@@ -28,7 +30,7 @@ class SeriesCounter:
 
 SERIES_COUNTERS = (
     SeriesCounter("sglang:num_prefill_unwinds_total", "unwinds", at_least=True),
-    SeriesCounter("sglang:num_decode_allocation_misses_total", "decode_retractions"),
+    SeriesCounter("sglang:num_decode_allocation_misses_total", "decode_retractions", at_least=True),
     SeriesCounter("sglang:num_host_backup_waits_before_retraction_total", None),
     SeriesCounter("sglang:num_parked_chunk_releases_total", "parked_chunk_releases"),
     SeriesCounter("sglang:mamba_slot_misses_total", "mamba_slot_misses"),
