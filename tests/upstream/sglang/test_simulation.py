@@ -26,19 +26,7 @@ DEFAULT_SEEDS = "0-199"
 # still fails as recorded or the test fails (a fix takes the seed off this list). Empty since the
 # load-back agreement: the seven seeds recorded before (trees parting, a load-back left in one
 # rank's lockstep ack queue) all came from a load-back whose allocation missed on one rank only.
-KNOWN_FAILURES: dict[int, tuple[str, str]] = {
-    1180: (
-        "the run aborted",
-        "a PD prefill server, HiCache, the overlap loop, rank 1's reading dropping between two votes:"
-        " its next prefill allocation read its own ledger, evicted more than rank 0's and the trees"
-        " parted; later a load-back on one rank met another collective on its peer (gloo aborts on"
-        " the size mismatch). The drop is kvcached's uniform reading stepping (a quarantine, a"
-        " shrink), which the rank-local pool interface says only its own calls change",
-    ),
-}
-# Known failures that abort the ranks' processes (and would take every later seed with them): run
-# apart, one seed per run.
-RUN_APART = {seed for seed, (signature, _) in KNOWN_FAILURES.items() if signature == "the run aborted"}
+KNOWN_FAILURES: dict[int, tuple[str, str]] = {}
 # A rank's whole run of its seeds, at most (the forked ranks are killed past it).
 RUN_TIMEOUT_S = 1500.0
 
@@ -57,9 +45,11 @@ def seeds() -> list[int]:
     return sim.parse_seeds(os.environ.get("CARRY_SIM_SEEDS", DEFAULT_SEEDS))
 
 
-def _run(plans: dict[int, sim.SimPlan]) -> TwoRanks:
+@pytest.fixture(scope="module")
+def simulated(seeds: list[int]) -> tuple[dict[int, sim.SimPlan], TwoRanks]:
+    plans = {seed: sim.plan(seed) for seed in seeds}
     names = {f"seed-{seed}": plan for seed, plan in plans.items()}
-    return run_two_ranks(
+    ranks = run_two_ranks(
         list(names),
         {name: _scenario(plan) for name, plan in names.items()},
         {},
@@ -69,38 +59,16 @@ def _run(plans: dict[int, sim.SimPlan]) -> TwoRanks:
         # then admit apart, upstream's checker sees their calls differ as the vote does.
         divergence_expected={name for name, plan in names.items() if plan.quarantine is not None},
     )
-
-
-def _judged_apart(seed: int, plan: sim.SimPlan) -> sim.SeedVerdict:
-    """A seed run alone: its verdict, or, where its ranks' processes failed, that failure."""
-    ranks = _run({seed: plan})
-    if ranks.errors:
-        first = ranks.errors[0].strip().splitlines()[-1]
-        return sim.SeedVerdict(seed, 0, 0, 0, (f"the run aborted: {first}",))
-    return sim.judge(seed, ranks.scenario(f"seed-{seed}"))
-
-
-@pytest.fixture(scope="module")
-def simulated(seeds: list[int]) -> tuple[dict[int, sim.SimPlan], list[sim.SeedVerdict]]:
-    plans = {seed: sim.plan(seed) for seed in seeds}
-    together = _run({seed: plan for seed, plan in plans.items() if seed not in RUN_APART})
-    verdicts = {
-        seed: _judged_apart(seed, plan)
-        if seed in RUN_APART
-        else sim.judge(seed, together.scenario(f"seed-{seed}"))
-        for seed, plan in plans.items()
-    }
-    return plans, [verdicts[seed] for seed in seeds]
+    return plans, ranks
 
 
 def test_every_seed_runs_the_same_batches_and_collectives_on_both_ranks(
-    seeds: list[int],
-    simulated: tuple[dict[int, sim.SimPlan], list[sim.SeedVerdict]],
-    summary_lines: list[str],
+    seeds: list[int], simulated: tuple[dict[int, sim.SimPlan], TwoRanks], summary_lines: list[str]
 ) -> None:
     """Every seed passes, except those of KNOWN_FAILURES, which must still fail as recorded (a fix
     that makes one pass takes it off the list)."""
-    plans, verdicts = simulated
+    plans, ranks = simulated
+    verdicts = [sim.judge(seed, ranks.scenario(f"seed-{seed}")) for seed in seeds]
     failed = [v for v in verdicts if v.failures]
     known = [v for v in failed if v.seed in KNOWN_FAILURES]
     lines = [
