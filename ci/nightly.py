@@ -71,8 +71,11 @@ STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e", "bench")
 # The bench's cases on a GPU: the judged ones (its natural-miss recovery has no target).
 BENCH_CASES = "tp1,tp2,tp2-plain,tp2-control"
 # The seeds of the two-rank simulation (tests/upstream/sglang/test_simulation.py) each night;
-# ./scripts/test runs its default, 0-199.
+# ./scripts/test runs its default, 0-199. The nightly's run them without the one-rank quarantine
+# seeds, some of which past the first 200 abort their ranks' processes on a finding not yet fixed
+# (tests/upstream/sglang/simulation.py, QUARANTINE_SEEDS); ./scripts/test runs its 200 with them.
 NIGHTLY_SIMULATION_SEEDS = "0-1999"
+NIGHTLY_SIMULATION_ENV = {"CARRY_SIM_SEEDS": NIGHTLY_SIMULATION_SEEDS, "CARRY_SIM_QUARANTINE": "0"}
 
 
 class StepStatus(enum.StrEnum):
@@ -388,11 +391,10 @@ class Nightly:
             self._step(row, "verify", [*verify, "--python", python])
 
     def run_cpu_tests(self, row: str, line: Line) -> None:
-        """The line's upstream tests, the two-rank simulation over NIGHTLY_SIMULATION_SEEDS."""
+        """The line's upstream tests, the two-rank simulation over NIGHTLY_SIMULATION_SEEDS (without
+        the one-rank quarantine seeds)."""
         pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/upstream/{line.name}"]
-        self._step_in_test_env(
-            row, line, "cpu-tests", pytest, env={"CARRY_SIM_SEEDS": NIGHTLY_SIMULATION_SEEDS}
-        )
+        self._step_in_test_env(row, line, "cpu-tests", pytest, env=NIGHTLY_SIMULATION_ENV)
 
     def run_cpu_e2e(self, row: str, line: Line) -> None:
         """A real server on CPU, one rank and two (ci/e2e/run_e2e.py --device cpu), every run the line
