@@ -662,9 +662,9 @@ class PhysicalMemory:
 
         def reading() -> int:
             nonlocal asked, held
-            own = own_reading()
-            if tokens() != asked:
-                asked = tokens()
+            own, now_asked = own_reading(), tokens()
+            if now_asked != asked:
+                asked = now_asked
                 held = min(asked, max(0, own - self.mapped_free))
             return own - held
 
