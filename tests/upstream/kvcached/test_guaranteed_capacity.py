@@ -84,6 +84,11 @@ class FakePageAllocator:
         self.mapped.add(page_id)
         return FakeInternalPage(page_id)
 
+    def quarantine(self, count: int) -> None:
+        """`count` unmapped pages fail to map and are set aside (kvcached's quarantine): they are
+        no longer free, on this GPU alone."""
+        self.unmapped = self.unmapped[count:]
+
     def free_pages(self, page_ids: list[int]) -> None:
         for page_id in page_ids:
             self.mapped.remove(page_id)
@@ -134,6 +139,7 @@ def manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             page_allocator=FakePageAllocator(),
             block_mem_size=1,
             page_size=BLOCKS_PER_PAGE,
+            mem_size=GPU_PAGES * BLOCKS_PER_PAGE,
             num_avail_blocks=0,
             avail_pages={},
             full_pages={},

@@ -94,3 +94,23 @@ def test_the_managers_own_reading_counts_its_unmapped_pages_and_no_co_tenant(man
     assert manager.available_size() < manager.virtual_available_size() == every_block - 3
     manager.free(blocks)
     assert manager.virtual_available_size() == every_block
+
+
+def test_a_quarantine_or_a_shrink_on_one_gpu_leaves_the_managers_own_reading(manager: Any) -> None:
+    """Pages quarantined after a failed map, and a shrink still pending, happen on one GPU at its
+    own moment: they lower the real reading, which the ranks agree on, and not the one the ranks
+    count from between agreements (were they to lower it, one rank's count would drop between two
+    agreements and its next allocation would evict by it alone)."""
+    blocks = manager.alloc(3)
+    assert blocks is not None
+    own = manager.virtual_available_size()
+    real = manager.available_size()
+    manager.page_allocator.quarantine(2)
+    assert manager.available_size() == real - 2 * BLOCKS_PER_PAGE
+    assert manager.virtual_available_size() == own
+    manager.in_shrink = True
+    assert manager.available_size() == BLOCKS_PER_PAGE - 3  # the free blocks on its mapped page
+    assert manager.virtual_available_size() == own
+    manager.in_shrink = False  # the shrink given up
+    manager.free(blocks)
+    assert manager.virtual_available_size() == own + 3

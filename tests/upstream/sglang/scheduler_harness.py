@@ -580,6 +580,7 @@ class PhysicalMemory:
     def __init__(self, allocator: Any) -> None:
         self.uniform: Callable[[], int] = allocator.available_size
         self.taken: Callable[[], int] = lambda: 0
+        self.quarantined: Callable[[], int] = lambda: 0
         self.mapped_free = 0
         # Readings of the mapped free space taken: kvcached unmaps the pages emptied before one.
         self.guaranteed_readings = 0
@@ -605,7 +606,7 @@ class PhysicalMemory:
         # kvcached's rank-local pool interface: its own two readings, and the agreed deficit its
         # available_size() then reads by (None: the real reading).
         self.agreed_deficit: int | None = None
-        allocator.uniform_available_size = lambda: self.uniform()  # read afresh: see quarantine()
+        allocator.uniform_available_size = lambda: self.uniform()  # read afresh: see part_own_reading()
         allocator.real_available_size = self.available
         allocator.agree_deficit = self.agree_deficit
         allocator.available_size = self.reading
@@ -648,15 +649,23 @@ class PhysicalMemory:
 
     def available(self) -> int:
         unmapped = max(0, self.uniform() - self.mapped_free)
-        return self.mapped_free + max(0, unmapped - self.taken())
+        return self.mapped_free + max(0, unmapped - self.taken() - self.quarantined())
 
     def quarantine(self, tokens: Callable[[], int]) -> None:
-        """This rank's uniform reading lowered by `tokens()` (read at every reading): the one
-        reading the ranks' agreement trusts to be alike made to differ, as kvcached's quarantine
-        of pages, or a shrink, on one GPU makes it. What it lowers are pages not mapped: each new
-        amount is taken, at the first reading that sees it, from the unmapped free space then (at
-        most all of it) and held until the amount changes, so that the reading still moves by the
-        pool's own calls alone, as kvcached's does with pages quarantined."""
+        """This GPU sets aside `tokens()` (read at every reading) of the pages it has not mapped,
+        as kvcached quarantines pages whose mapping failed, or a shrink takes them: on this rank
+        alone, so only its real reading drops; its own reading, which counts from the pool's
+        virtual size, moves by the pool's own calls alone."""
+        self.quarantined = tokens
+
+    def part_own_reading(self, tokens: Callable[[], int]) -> None:
+        """This rank's own (uniform) reading lowered by `tokens()` (read at every reading): the
+        one reading the ranks' agreement trusts to be alike made to differ, as a rank-local pool
+        that breaks the interface's promise makes it (kvcached's did before it counted from its
+        virtual size: a quarantine or a shrink lowered it on one GPU). What it lowers are pages
+        not mapped: each new amount is taken, at the first reading that sees it, from the
+        unmapped free space then (at most all of it) and held until the amount changes, so that
+        the reading still moves by the pool's own calls."""
         own_reading = self.uniform
         asked, held = 0, 0
 

@@ -10,7 +10,7 @@ the load writes into.
 
 Two forked gloo ranks (a Mamba pool, a rank-local KV pool, HiCache, loads pending until waited
 on). Both have PREFIX on host; the queue holds [*PREFIX, 7, 8, 9], then a longer request. Rank 1's
-uniform reading drops after the round's first vote (kvcached's quarantine of pages on one GPU),
+uniform reading drops after the round's first vote (a pool whose own reading moves on one rank),
 so it admits the first request, loading PREFIX as rank 0 does, but not the second: the round is
 DIVERGED on both ranks.
 
@@ -48,7 +48,7 @@ def _diverged_round_with_a_load(h: sh.Harness, rank: int) -> dict[str, Any]:
     if rank == 1:
         agreement = sched._prefill_agreement
         drop = h.physical.uniform() - LEFT_FREE
-        h.physical.quarantine(lambda: drop if agreement.votes >= 1 else 0)
+        h.physical.part_own_reading(lambda: drop if agreement.votes >= 1 else 0)
     h.add_request([*PREFIX, 7, 8, 9])
     h.add_request(_prompt(1, SECOND_PROMPT))
     h.device_log.clear()

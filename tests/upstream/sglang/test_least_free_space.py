@@ -2,10 +2,10 @@
 
 The ranks' ledger was each pool's uniform reading (its free space counted from its own calls)
 less the largest deficit any rank had (uniform minus real): alike on every rank only while the
-ranks' uniform readings are. kvcached's quarantine of pages, or a shrink that one GPU enters,
-lowers that reading on one rank alone, for as long as it lasts: that rank then admits less than
-its peers in every round, every round is DIVERGED, and the third stops every rank
-(PrefillRankDivergence): a page quarantined on one GPU would stop the server.
+ranks' uniform readings are. Where a pool's own reading is lower on one rank (kvcached's was,
+under a quarantine of pages or a shrink on one GPU, before it counted from its virtual size),
+that rank admits less than its peers in every round, every round is DIVERGED, and the third
+stops every rank (PrefillRankDivergence): one such pool would stop the server.
 
 Here, on SGLang's real event loops, two gloo ranks, upstream's rank-consensus checker on: rank 1's
 uniform reading is half its pool lower than rank 0's for the whole run, while eight requests need
@@ -38,7 +38,7 @@ def _rank_1_reads_half_its_pool_less(h: sh.Harness, rank: int, loop: str) -> dic
     assert h.physical is not None
     h.physical.take(0)
     if rank == 1:
-        h.physical.quarantine(lambda: h.cfg.kv_tokens // 2)
+        h.physical.part_own_reading(lambda: h.cfg.kv_tokens // 2)
     reqs = [_queue(h, i, PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS) for i in range(REQUESTS)]
     readings: list[int] = []
     stopped = None

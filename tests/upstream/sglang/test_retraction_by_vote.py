@@ -3,16 +3,17 @@
 With pools whose free space is per rank, a decode step used to check its own pool first
 (`check_decode_mem`, the agreed ledger) and retract where it did not fit, before any vote. The
 ledger is alike on every rank only while each rank's own reading moves by its own calls alone;
-kvcached's quarantine of pages on one GPU, or a shrink that one rank enters first, lowers that
-reading on one rank between two votes. That rank then retracts where its peer decodes, and the
+a pool that breaks that promise lowers the reading on one rank between two votes (kvcached's did
+under a quarantine of pages or a shrink on one GPU, before its reading counted from its virtual
+size). That rank then retracts where its peer decodes, and the
 ranks part: they stop by name (DecodeRankDivergence, RankVotesParted) or, where their next
 collectives differ, hang.
 
 Here, on SGLang's real event loops, two gloo ranks, upstream's rank-consensus checker on: two
-requests decode, and rank 1's reading drops for two iterations to one free token (a one-rank
-quarantine). With the entry no rank reads its own pool before the step: the step allocates, misses
-on rank 1, both ranks retract the same request on the vote's word and try again, and every request
-finishes on both ranks with the same output. Without it both ranks stop.
+requests decode, and rank 1's own reading drops for two iterations to one free token. With the
+entry no rank reads its own pool before the step: the step allocates, misses on rank 1, both ranks
+retract the same request on the vote's word and try again, and every request finishes on both
+ranks with the same output. Without it both ranks stop.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _rank_1_reading_drops_while_decoding(h: sh.Harness, rank: int, loop: str) ->
             if rank == 1:
                 # All its free space but one token, while the drop lasts.
                 quarantined = h.physical.uniform() - 1
-                h.physical.quarantine(lambda: quarantined if len(driver.iterations) in down else 0)
+                h.physical.part_own_reading(lambda: quarantined if len(driver.iterations) in down else 0)
             driver.run_until(lambda: all(req.finished() for req in reqs), max_iterations=80)
     except Exception as error:  # the scheduler stopping, or its loop stuck in a collective
         stopped = type(error).__name__

@@ -118,7 +118,7 @@ def _only_a_grammar_waits(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]
 
 def _one_rank_admits_nothing(h: sh.Harness, rank: int, loop: str) -> dict[str, Any]:
     """Rank 1's own reading of its free space (its uniform one) is lower than rank 0's by most of
-    its pool, as kvcached's quarantine or a shrink on one GPU makes it: in every round one rank
+    its pool, as a pool that breaks the interface's promise makes it: in every round one rank
     admits the request and its peer nothing. DIVERGED is the safety net, and every rank must reach
     it alike: both put the round back, both count it, and the third such round stops both with
     PrefillRankDivergence, by name. A rank that votes only where it admitted leaves its peer alone
@@ -133,9 +133,9 @@ def _one_rank_admits_nothing(h: sh.Harness, rank: int, loop: str) -> dict[str, A
         agreement = h.scheduler._prefill_agreement
         drop = h.cfg.kv_tokens - 16
         if ballot_fields_per_pool() > 1:
-            h.physical.quarantine(lambda: drop if agreement.votes % 2 else 0)
+            h.physical.part_own_reading(lambda: drop if agreement.votes % 2 else 0)
         else:
-            h.physical.quarantine(lambda: drop)
+            h.physical.part_own_reading(lambda: drop)
     _queue(h, 0, 64, max_new_tokens=4)
     stopped = None
     try:
