@@ -70,12 +70,10 @@ from sglang_carry.testenv import test_envs  # noqa: E402
 STEPS = ("build", "verify", "cpu-tests", "e2e-cpu", "gpu-tests", "e2e", "bench")
 # The bench's cases on a GPU: the judged ones (its natural-miss recovery has no target).
 BENCH_CASES = "tp1,tp2,tp2-plain,tp2-control"
-# The seeds of the two-rank simulation (tests/upstream/sglang/test_simulation.py) each night;
-# ./scripts/test runs its default, 0-199. The nightly's run them without the one-rank quarantine
-# seeds, some of which past the first 200 abort their ranks' processes on a finding not yet fixed
-# (tests/upstream/sglang/simulation.py, QUARANTINE_SEEDS); ./scripts/test runs its 200 with them.
+# The seeds of the multi-rank simulation (tests/upstream/sglang/test_simulation.py) each night;
+# ./scripts/test runs its default, 0-199.
 NIGHTLY_SIMULATION_SEEDS = "0-1999"
-NIGHTLY_SIMULATION_ENV = {"CARRY_SIM_SEEDS": NIGHTLY_SIMULATION_SEEDS, "CARRY_SIM_QUARANTINE": "0"}
+NIGHTLY_SIMULATION_ENV = {"CARRY_SIM_SEEDS": NIGHTLY_SIMULATION_SEEDS}
 
 
 class StepStatus(enum.StrEnum):
@@ -391,8 +389,7 @@ class Nightly:
             self._step(row, "verify", [*verify, "--python", python])
 
     def run_cpu_tests(self, row: str, line: Line) -> None:
-        """The line's upstream tests, the two-rank simulation over NIGHTLY_SIMULATION_SEEDS (without
-        the one-rank quarantine seeds)."""
+        """The line's upstream tests, the multi-rank simulation over NIGHTLY_SIMULATION_SEEDS."""
         pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/upstream/{line.name}"]
         self._step_in_test_env(row, line, "cpu-tests", pytest, env=NIGHTLY_SIMULATION_ENV)
 

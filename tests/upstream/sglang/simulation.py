@@ -1,7 +1,8 @@
-"""A randomized simulation of two ranks running the REAL sglang event loop, deterministic per seed
+"""A randomized simulation of two ranks (three in some seeds) running the REAL sglang event loop,
+deterministic per seed
 (in the spirit of FoundationDB's simulation testing).
 
-A seed decides everything both ranks share (`plan`): the pool (page size, KV tokens, Mamba state,
+A seed decides everything the ranks share (`plan`): the pool (page size, KV tokens, Mamba state,
 HiCache), the prefill chunk, and the traffic: requests with random prompt and output lengths,
 some sharing a prefix, arriving at random iterations with idle gaps between waves, some aborted at
 a random later iteration. Each rank also gets what only it sees, from the seed and its rank:
@@ -26,14 +27,20 @@ later iteration, on each rank by its own schedule (`SimPlan.copy_landing`).
 Some seeds, each drawn apart from the rest of the plan (so a seed's traffic is the same with or
 without them): a PD prefill server (`SimPlan.pd_prefill`: the disaggregated prefill loop, requests
 through the bootstrap queue, KV sent by upstream's fake transfer backend); mixed chunked prefill
-(`SimPlan.mixed_chunk`); and a one-rank quarantine (`SimPlan.quarantine`: rank 1's uniform reading
-lower than rank 0's for a window of iterations, as kvcached's quarantine or a shrink on one GPU
-makes it), where the ranks can admit apart: DIVERGED is then reached, and the seed passes only if
-every rank reads it alike (both put the round back, or both stop with PrefillRankDivergence at the
-same iteration, by name).
+(`SimPlan.mixed_chunk`); and a one-rank quarantine (`SimPlan.quarantine`: for a window of iterations
+rank 1's GPU sets aside pages it has not mapped, as kvcached quarantines pages whose mapping failed,
+or a shrink takes them, on one GPU at its own moment): its real reading drops, its own reading
+(which counts from the pool's virtual size) does not, and the ranks must still run alike; and a
+third rank in the TP group (`SimPlan.ranks`), with its own co-tenants, copies and mapped memory,
+so that every reduction has a rank between the least and the most.
 
-Not simulated (stated, not hidden): L3 storage, HiCache buffer mode, speculative decoding, grammar
-requests, PD decode, dLLM, more than two ranks.
+In some seeds about half the requests ask for a grammar (`SimRequest.grammar`): upstream's real
+`GrammarManager` holds them until their grammar compiles, which each rank's backend lets happen at
+an iteration of its own, or never on one rank (upstream then times it out on every rank); see
+sim_grammar.py.
+
+Not simulated (stated, not hidden): L3 storage, HiCache buffer mode, speculative decoding, PD
+decode, dLLM, more than three ranks.
 """
 
 from __future__ import annotations
@@ -46,12 +53,13 @@ import shlex
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import scheduler_harness as sh
+import sim_grammar
 import torch
 import torch.distributed as dist
 from event_loop_driver import LOOP_THREAD_NAME, EventLoopDriver, Iteration, OverlapEventLoopDriver
@@ -86,11 +94,14 @@ class SimRequest:
     prompt: tuple[int, ...]
     max_new_tokens: int
     aborted_at: int | None = None
+    # Its output constrained by a grammar (a JSON schema of its own), which each rank compiles
+    # at its own pace (sim_grammar.py).
+    grammar: bool = False
 
 
 @dataclass(frozen=True)
 class Quarantine:
-    """Rank 1's uniform reading lower than its free list says, for a window of iterations."""
+    """Rank 1's GPU sets aside `tokens` of the pages it has not mapped, for a window of iterations."""
 
     tokens: int
     first: int
@@ -110,19 +121,22 @@ class SimPlan:
     hicache: bool
     requests: tuple[SimRequest, ...]
     # Per rank: the most tokens its co-tenants hold at once (0: none), read afresh at every reading.
-    co_tenants: tuple[int, int]
+    co_tenants: tuple[int, ...]
     # With HiCache: the chance that a copy in flight lands before an iteration, per rank (1.0: at
     # once). Each rank's copies land on its own schedule, as two GPUs' copy streams do.
-    copy_landing: tuple[float, float] = (1.0, 1.0)
+    copy_landing: tuple[float, ...] = (1.0, 1.0)
     # Per rank: the tokens it holds mapped at the start (the decode credit's reading).
-    mapped: tuple[int, int] = (0, 0)
+    mapped: tuple[int, ...] = (0, 0)
     # The loop both ranks run: event_loop_overlap (the default server's) or event_loop_normal.
     overlap: bool = False
     # A PD prefill server (the disaggregated prefill loop) instead of a plain one.
     pd_prefill: bool = False
     # --enable-mixed-chunk: a prefill chunk runs in one batch with the running decode requests.
     mixed_chunk: bool = False
-    # Rank 1's uniform reading lowered by `tokens` from iteration `first` to `last` (None: never).
+    # The ranks of the one TP group (two; three in some seeds): every per-rank tuple has as many.
+    ranks: int = 2
+    # Rank 1's GPU sets `tokens` of its unmapped pages aside from iteration `first` to `last` (None:
+    # never): its real reading drops, its own one does not.
     quarantine: Quarantine | None = None
 
     def summary(self) -> str:
@@ -130,12 +144,14 @@ class SimPlan:
         return (
             f"page {self.page_size}, {self.kv_tokens} KV tokens, chunk {self.chunked_prefill_size},"
             f" mamba {self.mamba}, hicache {self.hicache}, {len(self.requests)} requests ({aborted} aborted),"
-            f" co-tenants up to {self.co_tenants[0]} / {self.co_tenants[1]} tokens,"
-            f" copies landing per iteration {self.copy_landing[0]:.2f} / {self.copy_landing[1]:.2f},"
-            f" held mapped {self.mapped[0]} / {self.mapped[1]} tokens,"
+            f" {self.ranks} ranks,"
+            f" co-tenants up to {' / '.join(map(str, self.co_tenants))} tokens,"
+            f" copies landing per iteration {' / '.join(f'{p:.2f}' for p in self.copy_landing)},"
+            f" held mapped {' / '.join(map(str, self.mapped))} tokens,"
             f" {'event_loop_overlap' if self.overlap else 'event_loop_normal'}"
             + (", PD prefill" if self.pd_prefill else "")
             + (", mixed chunk" if self.mixed_chunk else "")
+            + (f", {n} grammar requests" if (n := sum(r.grammar for r in self.requests)) else "")
             + (
                 f", rank 1 quarantines {q.tokens} tokens in iterations {q.first}-{q.last}"
                 if (q := self.quarantine)
@@ -177,16 +193,15 @@ def plan(seed: int) -> SimPlan:
         requests.append(SimRequest(f"s{i:02d}", arrives_at, tuple(prompt), rng.randint(1, 12), aborted_at))
     largest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     co_tenant_room = max(0, kv_tokens - largest - 16)
-    co_tenants = tuple(
-        rng.choice((0, co_tenant_room // 4, co_tenant_room // 2, co_tenant_room)) for _ in range(2)
-    )
+    co_tenants = tuple(rng.choice(_co_tenant_bounds(co_tenant_room)) for _ in range(2))
     mamba = rng.random() < 0.3
     if mamba:
         page_size = 1  # the Mamba component's no_buffer tree takes pages of one token
     hicache = rng.random() < 0.3
     delayed = hicache and rng.random() < 0.7
     landing = (rng.choice((0.2, 0.5, 0.9)), rng.choice((0.2, 0.5, 0.9))) if delayed else (1.0, 1.0)
-    return SimPlan(
+    requests = _with_grammars(seed, requests)
+    two_ranks = SimPlan(
         seed=seed,
         page_size=page_size,
         kv_tokens=kv_tokens,
@@ -194,7 +209,7 @@ def plan(seed: int) -> SimPlan:
         mamba=mamba,
         hicache=hicache,
         requests=tuple(requests),
-        co_tenants=(co_tenants[0], co_tenants[1]),
+        co_tenants=co_tenants,
         copy_landing=landing,
         # Held-mapped memory, the decode credit's reading, per rank (drawn apart, as the loop is).
         mapped=_mapped(seed, kv_tokens),
@@ -202,6 +217,54 @@ def plan(seed: int) -> SimPlan:
         overlap=random.Random(f"{seed}-loop").random() < 0.5,
         **_server_kind(seed, mamba),
         quarantine=_quarantine(seed, page_size, kv_tokens),
+    )
+    return _with_a_third_rank(two_ranks, co_tenant_room, delayed)
+
+
+def _co_tenant_bounds(room: int) -> tuple[int, ...]:
+    """The most a rank's co-tenants may hold at once: none, or part or all of the room left."""
+    return (0, room // 4, room // 2, room)
+
+
+def _with_grammars(seed: int, requests: list[SimRequest]) -> list[SimRequest]:
+    """In some seeds about half the requests ask for a grammar (drawn apart, so that the traffic
+    is the same either way)."""
+    rng = random.Random(f"{seed}-grammar")
+    if rng.random() >= 0.2:
+        return requests
+    return [replace(r, grammar=rng.random() < 0.5) for r in requests]
+
+
+# Per rank, how many iterations after its arrival a request's grammar is let compile (None: never,
+# so upstream times it out on that rank, after sim_grammar.MAX_POLL_ITERATIONS polls).
+COMPILE_DELAYS = (0, 0, 1, 2, 5, 9, None)
+
+
+def _compile_iterations(sim: SimPlan, rank: int) -> dict[str, int | None]:
+    """This rank's iteration at which each grammar request's compilation may finish."""
+    rng = random.Random(f"{sim.seed}-grammar-{rank}")
+    compile_at: dict[str, int | None] = {}
+    for request in sim.requests:
+        if request.grammar:
+            delay = rng.choice(COMPILE_DELAYS)
+            compile_at[request.rid] = None if delay is None else request.arrives_at + delay
+    return compile_at
+
+
+def _with_a_third_rank(plan: SimPlan, co_tenant_room: int, delayed: bool) -> SimPlan:
+    """In some seeds the group has a third rank (drawn apart, so that what the first two do is
+    the same either way): every reduction then has a rank between the least and the most. Not
+    with a Mamba pool: the harness's Mamba state (a conv dimension of 32) does not split three
+    ways, as no real model's would."""
+    rng = random.Random(f"{plan.seed}-third-rank")
+    if rng.random() >= 0.1 or plan.mamba:
+        return plan
+    return replace(
+        plan,
+        ranks=3,
+        co_tenants=(*plan.co_tenants, rng.choice(_co_tenant_bounds(co_tenant_room))),
+        copy_landing=(*plan.copy_landing, rng.choice((0.2, 0.5, 0.9)) if delayed else 1.0),
+        mapped=(*plan.mapped, rng.choice((0, plan.kv_tokens // 8, plan.kv_tokens // 2, plan.kv_tokens))),
     )
 
 
@@ -213,20 +276,10 @@ def _server_kind(seed: int, mamba: bool) -> dict[str, bool]:
     return {"pd_prefill": draw < 0.15 and not mamba, "mixed_chunk": 0.15 <= draw < 0.3}
 
 
-# The one-rank quarantine seeds run unless CARRY_SIM_QUARANTINE=0. The nightly's 2000 seeds run
-# without them: past the first 200 some (1180: a PD prefill server, HiCache, the overlap loop; and
-# another with the normal loop) find what the series does not settle yet: a drop between two votes
-# makes the next allocation on that rank evict by its own ledger, the trees part, and a later
-# load-back meets another collective on its peer, where gloo aborts both processes (and the run's
-# later seeds with them). Its cause is kvcached's uniform reading stepping (a quarantine, a
-# shrink), which the rank-local pool interface says only the pool's own calls change.
-QUARANTINE_SEEDS = os.environ.get("CARRY_SIM_QUARANTINE", "1") != "0"
-
-
 def _quarantine(seed: int, page_size: int, kv_tokens: int) -> Quarantine | None:
     """In some seeds rank 1 quarantines a few pages (or most of its pool) for a while."""
     rng = random.Random(f"{seed}-quarantine")
-    if not QUARANTINE_SEEDS or rng.random() >= 0.15:
+    if rng.random() >= 0.15:
         return None
     tokens = rng.choice((page_size, 4 * page_size, kv_tokens // 2, kv_tokens - 16))
     first = rng.randint(0, 40)
@@ -316,6 +369,10 @@ class RankRecord:
     # Prefill rounds this rank read as DIVERGED (put back), and the agreement's votes it made.
     divergences: int = 0
     votes: int = 0
+    # Iterations that began with a request waiting for its grammar, and the grammar requests
+    # upstream gave up (timed out) and aborted.
+    grammar_waits: int = 0
+    grammar_timeouts: int = 0
 
 
 def _aborted_rids(h: sh.Harness) -> set[str]:
@@ -357,9 +414,8 @@ def _recorded_step(driver: EventLoopDriver, made: list[Collective], record: Rank
 
 
 def _quarantine_on_rank_1(h: sh.Harness, quarantine: Quarantine, iteration: Callable[[], int]) -> None:
-    """Rank 1's uniform reading (what its own allocations and frees change, read alike on every
-    rank by construction) lowered while the quarantine applies: the one reading the agreement
-    trusts to be alike, made to differ, as kvcached's quarantine of a page on one GPU does."""
+    """Rank 1's GPU sets pages aside while the quarantine applies: its real reading drops on this
+    rank alone, between any two votes, as kvcached's quarantine of pages whose mapping failed does."""
     assert h.physical is not None
     h.physical.quarantine(lambda: quarantine.tokens if quarantine.applies(iteration()) else 0)
 
@@ -380,6 +436,8 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
     # mapped pages): the decode credit's reading. It only shrinks as the pool allocates from it.
     h.physical.hold_mapped(sim.mapped[rank])
     copies = random.Random(f"{sim.seed}-copies-{rank}")
+    compile_at = _compile_iterations(sim, rank)
+    grammars = sim_grammar.install(h, sim.ranks, rank) if compile_at else None
     agreement = h.scheduler._prefill_agreement
     covers = agreement.covers_decode_step
 
@@ -409,7 +467,16 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
                             list(request.prompt), rid=request.rid, max_new_tokens=request.max_new_tokens
                         )
                         reqs[request.rid] = req
-                        h.scheduler._add_request_to_queue(req)
+                        if request.grammar:
+                            req.sampling_params.json_schema = sim_grammar.schema_of(request.rid)
+                            sim_grammar.submit(h, req)
+                        else:
+                            h.scheduler._add_request_to_queue(req)
+                if grammars is not None:
+                    for rid, at in compile_at.items():
+                        if at == iteration:
+                            grammars.gate(sim_grammar.schema_of(rid)).set()
+                    record.grammar_waits += h.scheduler.grammar_manager.has_waiting_grammars()
                 aborting = [r.rid for r in sim.requests if r.aborted_at == iteration]
                 if aborting:
                     ended = _ended(h, reqs)
@@ -433,8 +500,12 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
         record.failure = (
             f"iteration {len(record.iterations)}: {type(error).__name__}: {str(error).splitlines()[0]}"
         )
+    finally:
+        if grammars is not None:
+            grammars.open_every_gate()  # no compilation outlives the seed
     record.unfinished = sorted(set(reqs) - _ended(h, reqs))
     record.divergences = int(h.scheduler.num_prefill_divergences)
+    record.grammar_timeouts = sum(sim_grammar.timed_out(reqs[rid]) for rid in compile_at if rid in reqs)
     record.votes = int(agreement.votes)
     if record.failure is None:
         record.leaks = (
@@ -454,6 +525,9 @@ class SeedVerdict:
     # by name (PrefillRankDivergence at the same iteration).
     diverged_rounds: int = 0
     stopped_by_name: bool = False
+    # Rank 0's iterations that began with a grammar waiting, and its grammar requests timed out.
+    grammar_waits: int = 0
+    grammar_timeouts: int = 0
 
 
 # What a rank of a group stops with where the ranks' states have parted, alike on every rank.
@@ -468,14 +542,16 @@ def _stop_name(failure: str | None) -> str | None:
 
 
 def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
-    """What the two ranks' records of a seed show, one line per failed check. Both ranks stopping
-    by the same name at the same vote is the safety net working, not a failure (where the ranks
-    parted they may stop an iteration apart: a rank that retracted made no vote in it); one rank
-    stopping alone is one."""
+    """What the ranks' records of a seed show, one line per failed check, each rank set against
+    rank 0. Every rank stopping by the same name at the same vote is the safety net working, not a
+    failure (where the ranks parted they may stop an iteration apart: a rank that retracted made
+    no vote in it); one rank stopping alone is one."""
     failures: list[str] = []
-    r0, r1 = ranks[0], ranks[1]
+    r0 = ranks[0]
     stop = _stop_name(r0["failure"])
-    if stop is not None and stop == _stop_name(r1["failure"]) and r0["votes"] == r1["votes"]:
+    if stop is not None and all(
+        _stop_name(r["failure"]) == stop and r["votes"] == r0["votes"] for r in ranks.values()
+    ):
         return SeedVerdict(
             seed,
             len(r0["iterations"]),
@@ -484,6 +560,8 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
             (),
             diverged_rounds=r0["divergences"],
             stopped_by_name=True,
+            grammar_waits=r0["grammar_waits"],
+            grammar_timeouts=r0["grammar_timeouts"],
         )
     for rank, r in ranks.items():
         if r["failure"]:
@@ -492,23 +570,9 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
             failures.append(f"rank {rank}: requests never finished: {r['unfinished']}")
         if r["leaks"]:
             failures.append(f"rank {rank}: leaked once idle: {r['leaks']}")
-    for i, (a, b) in enumerate(zip(r0["iterations"], r1["iterations"], strict=False)):
-        if a != b:
-            failures.append(f"iteration {i + 1}: rank 0 ran {a}, rank 1 ran {b}")
-            break
-    else:
-        if len(r0["iterations"]) != len(r1["iterations"]) and not (r0["failure"] or r1["failure"]):
-            failures.append(f"rank 0 ran {len(r0['iterations'])} iterations, rank 1 {len(r1['iterations'])}")
-    if r0["credited_steps"] != r1["credited_steps"]:
-        failures.append(
-            f"credited decode steps: rank 0 {r0['credited_steps']}, rank 1 {r1['credited_steps']}"
-        )
-    for i, (a, b) in enumerate(zip(r0["collectives"], r1["collectives"], strict=False)):
-        if a != b:
-            failures.append(f"iteration {i + 1}: rank 0's collectives {a}, rank 1's {b}")
-            break
-    if r0["divergences"] != r1["divergences"]:
-        failures.append(f"diverged rounds: rank 0 read {r0['divergences']}, rank 1 {r1['divergences']}")
+    for rank, r in ranks.items():
+        if rank != 0:
+            failures += _parted_from_rank_0(r0, r, rank)
     return SeedVerdict(
         seed,
         len(r0["iterations"]),
@@ -516,7 +580,36 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
         r0["credited_steps"],
         tuple(failures),
         diverged_rounds=r0["divergences"],
+        grammar_waits=r0["grammar_waits"],
+        grammar_timeouts=r0["grammar_timeouts"],
     )
+
+
+def _parted_from_rank_0(r0: dict[str, Any], r: dict[str, Any], rank: int) -> list[str]:
+    """Where one rank's record differs from rank 0's: the first difference of its iterations and
+    of its collectives, and each count that differs."""
+    failures: list[str] = []
+    for i, (a, b) in enumerate(zip(r0["iterations"], r["iterations"], strict=False)):
+        if a != b:
+            failures.append(f"iteration {i + 1}: rank 0 ran {a}, rank {rank} ran {b}")
+            break
+    else:
+        ran = len(r0["iterations"]), len(r["iterations"])
+        if ran[0] != ran[1] and not (r0["failure"] or r["failure"]):
+            failures.append(f"iterations run: rank 0 {ran[0]}, rank {rank} {ran[1]}")
+    for i, (a, b) in enumerate(zip(r0["collectives"], r["collectives"], strict=False)):
+        if a != b:
+            failures.append(f"iteration {i + 1}: rank 0's collectives {a}, rank {rank}'s {b}")
+            break
+    counts = {
+        "credited_steps": "credited decode steps",
+        "grammar_timeouts": "grammars timed out",
+        "divergences": "diverged rounds read",
+    }
+    for key, what in counts.items():
+        if r0[key] != r[key]:
+            failures.append(f"{what}: rank 0 {r0[key]}, rank {rank} {r[key]}")
+    return failures
 
 
 def replay_command(seed: int) -> str:

@@ -355,13 +355,14 @@ def _rank_body(
     kv_tokens: Mapping[str, int],
     configs: Mapping[str, Mapping[str, Any]],
     divergence_expected: Collection[str] = EXPECTED_DIVERGENCE,
+    ranks: int = RANKS,
 ) -> Any:
-    """One rank: every group built by both ranks in the same order, then the named scenarios."""
+    """One rank: every group built by every rank in the same order, then the named scenarios."""
 
     def body(rank: int) -> dict[str, Any]:
-        world = dist.new_group(list(range(RANKS)), backend="gloo")
-        pair = dist.new_group(list(range(RANKS)), backend="gloo")
-        singles = [dist.new_group([r], backend="gloo") for r in range(RANKS)]
+        world = dist.new_group(list(range(ranks)), backend="gloo")
+        pair = dist.new_group(list(range(ranks)), backend="gloo")
+        singles = [dist.new_group([r], backend="gloo") for r in range(ranks)]
         assert world is not pair
 
         def checked(name: str) -> dict[str, Any]:
@@ -388,12 +389,12 @@ def _rank_body(
                 if name in kv_tokens:
                     chunk["kv_tokens"] = kv_tokens[name]
                 chunk.update(configs.get(name, {}))
-                with sh.build_harness(**ELASTIC, **chunk, tp_size=RANKS, **groups) as h:
+                with sh.build_harness(**ELASTIC, **chunk, tp_size=ranks, **groups) as h:
                     _drift_in_the_background(h, rank)
                     return scenarios[name](h, rank)
             scenario = RANK_SCENARIOS[name]
             groups = _groups(scenario.topology, rank, world, pair, singles)
-            with sh.build_harness(**scenario.config, tp_size=RANKS, **groups) as h:
+            with sh.build_harness(**scenario.config, tp_size=ranks, **groups) as h:
                 _drift_in_the_background(h, rank)
                 skewed = rank == 0 and scenario.rank0_free_tokens is not None
                 with _cotenant(h, scenario.rank0_free_tokens or 0) if skewed else contextlib.nullcontext():
@@ -437,8 +438,10 @@ def run_two_ranks(
     configs: Mapping[str, Mapping[str, Any]] | None = None,
     timeout_s: float = RANK_TIMEOUT_S,
     divergence_expected: Collection[str] = (),
+    ranks: int = RANKS,
 ) -> TwoRanks:
-    """Run the named scenarios on two forked gloo ranks: RANK_SCENARIOS, and multi-round ones
+    """Run the named scenarios on forked gloo ranks (two unless `ranks` says more, one TP group of
+    them all): RANK_SCENARIOS, and multi-round ones
     from `scenarios` (this module's by default), built with `kv_tokens` and the harness options
     of `configs` where named. Upstream's rank-consensus checker is on in every one; where it fires
     the scenario fails, except in EXPECTED_DIVERGENCE and `divergence_expected` (made to differ on
@@ -451,9 +454,10 @@ def run_two_ranks(
         KV_TOKENS if kv_tokens is None else kv_tokens,
         configs or {},
         EXPECTED_DIVERGENCE | frozenset(divergence_expected),
+        ranks,
     )
     results, errors = forked_ranks.run_forked_ranks(
-        body, ranks=RANKS, timeout_s=timeout_s, collective_timeout_s=30
+        body, ranks=ranks, timeout_s=timeout_s, collective_timeout_s=30
     )
     return TwoRanks(results, errors)
 

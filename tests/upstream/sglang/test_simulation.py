@@ -1,20 +1,22 @@
-"""The randomized two-rank simulation of the real event loop (simulation.py), over many seeds.
+"""The randomized multi-rank simulation of the real event loop (simulation.py), over many seeds.
 
-Two forked gloo ranks with distinct group objects run every seed of CARRY_SIM_SEEDS (default
+Two forked gloo ranks (three for the seeds whose group has three, in a run of their own) with
+distinct group objects run every seed of CARRY_SIM_SEEDS (default
 `0-199`; the nightly sets `0-1999`), each on its own harness (a kvcached-shaped pool whose
 readings drift per rank, paged allocations counted against its mapped memory, the decode credit
 on where a rank holds memory mapped), under upstream's rank-consensus checker, on the line under test.
 One line is printed, `simulation (sglang V): N seeds, M iterations, K collectives, C credited
 steps, D diverged rounds read alike (S seeds stopped alike by name), P PD prefill, X mixed chunk,
-Q one-rank quarantines, F failures`, also at the end of the run's output, then, for each failing
-seed, what failed and the command that replays it. The test fails when any seed does.
+Q one-rank quarantines, T three-rank groups, G with grammar requests (W iterations a grammar
+waited, O timed out), F failures`, also at the end of the run's output,
+then, for each failing seed, what failed and the command that replays it. The test fails when any seed does.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import sglang
@@ -27,8 +29,13 @@ DEFAULT_SEEDS = "0-199"
 # load-back agreement: the seven seeds recorded before (trees parting, a load-back left in one
 # rank's lockstep ack queue) all came from a load-back whose allocation missed on one rank only.
 KNOWN_FAILURES: dict[int, tuple[str, str]] = {}
-# A rank's whole run of its seeds, at most (the forked ranks are killed past it).
-RUN_TIMEOUT_S = 1500.0
+SEEDS = sim.parse_seeds(os.environ.get("CARRY_SIM_SEEDS", DEFAULT_SEEDS))
+# A rank's whole run of its seeds, at most (the forked ranks are killed past it): a bound, not a
+# target (a seed takes about half a second on two shared cores), so it grows with the seeds.
+RUN_TIMEOUT_S = 600.0 + 1.5 * len(SEEDS)
+# The test's own bound (pytest-timeout; its set-up runs the seeds): both runs (two ranks, three
+# ranks) and the import before them.
+TEST_TIMEOUT_S = 2 * RUN_TIMEOUT_S + 300
 
 
 def _line() -> str:
@@ -42,33 +49,43 @@ def _scenario(plan: sim.SimPlan) -> Any:
 
 @pytest.fixture(scope="module")
 def seeds() -> list[int]:
-    return sim.parse_seeds(os.environ.get("CARRY_SIM_SEEDS", DEFAULT_SEEDS))
+    return SEEDS
+
+
+class Simulated(NamedTuple):
+    plans: dict[int, sim.SimPlan]
+    runs: dict[int, TwoRanks]  # one run of forked ranks per group size
+
+    def ranks(self, seed: int) -> dict[int, dict[str, Any]]:
+        """Each rank's record of the seed, from the run of its group's size."""
+        return self.runs[self.plans[seed].ranks].scenario(f"seed-{seed}")
 
 
 @pytest.fixture(scope="module")
-def simulated(seeds: list[int]) -> tuple[dict[int, sim.SimPlan], TwoRanks]:
+def simulated(seeds: list[int]) -> Simulated:
     plans = {seed: sim.plan(seed) for seed in seeds}
-    names = {f"seed-{seed}": plan for seed, plan in plans.items()}
-    ranks = run_two_ranks(
-        list(names),
-        {name: _scenario(plan) for name, plan in names.items()},
-        {},
-        {name: plan.harness_config() for name, plan in names.items()},
-        timeout_s=RUN_TIMEOUT_S,
-        # A quarantine makes the ranks' one trusted-alike reading differ on purpose: where they
-        # then admit apart, upstream's checker sees their calls differ as the vote does.
-        divergence_expected={name for name, plan in names.items() if plan.quarantine is not None},
-    )
-    return plans, ranks
+    runs = {}
+    for size in sorted({plan.ranks for plan in plans.values()}):
+        names = {f"seed-{seed}": plan for seed, plan in plans.items() if plan.ranks == size}
+        runs[size] = run_two_ranks(
+            list(names),
+            {name: _scenario(plan) for name, plan in names.items()},
+            {},
+            {name: plan.harness_config() for name, plan in names.items()},
+            timeout_s=RUN_TIMEOUT_S,
+            ranks=size,
+        )
+    return Simulated(plans, runs)
 
 
-def test_every_seed_runs_the_same_batches_and_collectives_on_both_ranks(
-    seeds: list[int], simulated: tuple[dict[int, sim.SimPlan], TwoRanks], summary_lines: list[str]
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_every_seed_runs_the_same_batches_and_collectives_on_every_rank(
+    seeds: list[int], simulated: Simulated, summary_lines: list[str]
 ) -> None:
     """Every seed passes, except those of KNOWN_FAILURES, which must still fail as recorded (a fix
     that makes one pass takes it off the list)."""
-    plans, ranks = simulated
-    verdicts = [sim.judge(seed, ranks.scenario(f"seed-{seed}")) for seed in seeds]
+    plans = simulated.plans
+    verdicts = [sim.judge(seed, simulated.ranks(seed)) for seed in seeds]
     failed = [v for v in verdicts if v.failures]
     known = [v for v in failed if v.seed in KNOWN_FAILURES]
     lines = [
@@ -81,6 +98,10 @@ def test_every_seed_runs_the_same_batches_and_collectives_on_both_ranks(
         f" {sum(p.pd_prefill for p in plans.values())} PD prefill,"
         f" {sum(p.mixed_chunk for p in plans.values())} mixed chunk,"
         f" {sum(p.quarantine is not None for p in plans.values())} one-rank quarantines,"
+        f" {sum(p.ranks == 3 for p in plans.values())} three-rank groups,"
+        f" {sum(any(r.grammar for r in p.requests) for p in plans.values())} with grammar requests"
+        f" ({sum(v.grammar_waits for v in verdicts)} iterations a grammar waited,"
+        f" {sum(v.grammar_timeouts for v in verdicts)} timed out),"
         f" {len(failed)} failures"
         + (f" ({len(known)} known: seeds {', '.join(str(v.seed) for v in known)})" if known else "")
     ]
