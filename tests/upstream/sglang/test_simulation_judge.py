@@ -12,13 +12,14 @@ import simulation as sim
 
 RUN = ("EXTEND", ("s00",), 8)
 DECODE = ("DECODE", ("s00",), 0)
+VOTE: sim.Collective = ("all_reduce", "tp", "MAX", (8,), "int64")
 
 
 def _record(**changes: Any) -> dict[str, Any]:
     """One rank's record of a seed that ran two iterations, one collective each."""
     record = sim.RankRecord(
         iterations=[RUN, DECODE],
-        collectives=[[("all_reduce", "MAX")], [("all_reduce", "MAX")]],
+        collectives=[[VOTE], [VOTE]],
         votes=2,
     )
     return asdict(record) | changes
@@ -44,7 +45,7 @@ def test_ranks_that_ran_alike_pass(ranks: int) -> None:
     [
         ({"iterations": [RUN, ("DECODE", (), 0)]}, "iteration 2: rank 0 ran"),
         ({"iterations": [RUN]}, "iterations run: rank 0 2"),
-        ({"collectives": [[("all_reduce", "MAX")], []]}, "iteration 2: rank 0's collectives"),
+        ({"collectives": [[VOTE], []]}, "iteration 2: rank 0's collectives"),
         ({"credited_steps": 1}, "credited decode steps: rank 0 0"),
         ({"grammar_timeouts": 1}, "grammars timed out: rank 0 0"),
         ({"divergences": 1}, "diverged rounds read: rank 0 0"),
