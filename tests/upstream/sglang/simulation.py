@@ -199,7 +199,7 @@ def plan(seed: int) -> SimPlan:
         page_size = 1  # the Mamba component's no_buffer tree takes pages of one token
     hicache = rng.random() < 0.3
     delayed = hicache and rng.random() < 0.7
-    landing = (rng.choice((0.2, 0.5, 0.9)), rng.choice((0.2, 0.5, 0.9))) if delayed else (1.0, 1.0)
+    landing = (rng.choice(LANDING_CHANCES), rng.choice(LANDING_CHANCES)) if delayed else (1.0, 1.0)
     requests = _with_grammars(seed, requests)
     two_ranks = SimPlan(
         seed=seed,
@@ -219,6 +219,10 @@ def plan(seed: int) -> SimPlan:
         quarantine=_quarantine(seed, page_size, kv_tokens),
     )
     return _with_a_third_rank(two_ranks, co_tenant_room, delayed)
+
+
+# With HiCache copies landing late: the chance a rank's copy in flight lands before an iteration.
+LANDING_CHANCES = (0.2, 0.5, 0.9)
 
 
 def _co_tenant_bounds(room: int) -> tuple[int, ...]:
@@ -263,8 +267,8 @@ def _with_a_third_rank(plan: SimPlan, co_tenant_room: int, delayed: bool) -> Sim
         plan,
         ranks=3,
         co_tenants=(*plan.co_tenants, rng.choice(_co_tenant_bounds(co_tenant_room))),
-        copy_landing=(*plan.copy_landing, rng.choice((0.2, 0.5, 0.9)) if delayed else 1.0),
-        mapped=(*plan.mapped, rng.choice((0, plan.kv_tokens // 8, plan.kv_tokens // 2, plan.kv_tokens))),
+        copy_landing=(*plan.copy_landing, rng.choice(LANDING_CHANCES) if delayed else 1.0),
+        mapped=(*plan.mapped, rng.choice(_mapped_bounds(plan.kv_tokens))),
     )
 
 
@@ -289,8 +293,13 @@ def _quarantine(seed: int, page_size: int, kv_tokens: int) -> Quarantine | None:
 def _mapped(seed: int, kv_tokens: int) -> tuple[int, int]:
     """The tokens each rank holds mapped at the start: none, some or all of its pool."""
     rng = random.Random(f"{seed}-mapped")
-    first, second = (rng.choice((0, kv_tokens // 8, kv_tokens // 2, kv_tokens)) for _ in range(2))
+    first, second = (rng.choice(_mapped_bounds(kv_tokens)) for _ in range(2))
     return first, second
+
+
+def _mapped_bounds(kv_tokens: int) -> tuple[int, ...]:
+    """What a rank may hold mapped at the start: none, some or all of its pool."""
+    return (0, kv_tokens // 8, kv_tokens // 2, kv_tokens)
 
 
 def _co_tenant_readings(seed: int, rank: int, most: int) -> Iterator[int]:
@@ -549,30 +558,20 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
     failures: list[str] = []
     r0 = ranks[0]
     stop = _stop_name(r0["failure"])
-    if stop is not None and all(
+    stopped_by_name = stop is not None and all(
         _stop_name(r["failure"]) == stop and r["votes"] == r0["votes"] for r in ranks.values()
-    ):
-        return SeedVerdict(
-            seed,
-            len(r0["iterations"]),
-            sum(len(c) for c in r0["collectives"]),
-            r0["credited_steps"],
-            (),
-            diverged_rounds=r0["divergences"],
-            stopped_by_name=True,
-            grammar_waits=r0["grammar_waits"],
-            grammar_timeouts=r0["grammar_timeouts"],
-        )
-    for rank, r in ranks.items():
-        if r["failure"]:
-            failures.append(f"rank {rank} raised at {r['failure']}")
-        if r["unfinished"]:
-            failures.append(f"rank {rank}: requests never finished: {r['unfinished']}")
-        if r["leaks"]:
-            failures.append(f"rank {rank}: leaked once idle: {r['leaks']}")
-    for rank, r in ranks.items():
-        if rank != 0:
-            failures += _parted_from_rank_0(r0, r, rank)
+    )
+    if not stopped_by_name:
+        for rank, r in ranks.items():
+            if r["failure"]:
+                failures.append(f"rank {rank} raised at {r['failure']}")
+            if r["unfinished"]:
+                failures.append(f"rank {rank}: requests never finished: {r['unfinished']}")
+            if r["leaks"]:
+                failures.append(f"rank {rank}: leaked once idle: {r['leaks']}")
+        for rank, r in ranks.items():
+            if rank != 0:
+                failures += _parted_from_rank_0(r0, r, rank)
     return SeedVerdict(
         seed,
         len(r0["iterations"]),
@@ -580,6 +579,7 @@ def judge(seed: int, ranks: dict[int, dict[str, Any]]) -> SeedVerdict:
         r0["credited_steps"],
         tuple(failures),
         diverged_rounds=r0["divergences"],
+        stopped_by_name=stopped_by_name,
         grammar_waits=r0["grammar_waits"],
         grammar_timeouts=r0["grammar_timeouts"],
     )
