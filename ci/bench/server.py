@@ -537,8 +537,8 @@ def prepare_cpu(upstream: str | None, out: Path, base_env: dict[str, str]) -> Pr
     return Prepared(
         line.version,
         {
-            "pristine": unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
-            "patched": unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
+            "pristine": unpack_wheel(line.pristine_wheel, out / "sites" / "pristine", line.python),
+            "patched": unpack_wheel(line.patched_wheel, out / "sites" / "patched", line.python),
         },
         line.python,
         [CPU_STANDINS, line.server_deps],
@@ -563,8 +563,8 @@ def prepare_gpu(wheel: Path, python: Path, out: Path, base_env: dict[str, str]) 
     return Prepared(
         str(Wheel().parse(pristine.name)[1]),
         {
-            "pristine": unpack_wheel(pristine, out / "sites" / "pristine"),
-            "patched": unpack_wheel(wheel, out / "sites" / "patched"),
+            "pristine": unpack_wheel(pristine, out / "sites" / "pristine", python),
+            "patched": unpack_wheel(wheel, out / "sites" / "patched", python),
         },
         python,
         [],

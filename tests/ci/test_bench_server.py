@@ -233,7 +233,7 @@ line = SimpleNamespace(
     version="0.0", pristine_wheel=None, patched_wheel=None, python=sys.executable, server_deps=None
 )
 bench.cpu_line.prepare = lambda *args: line
-bench.unpack_wheel = lambda wheel, site: site
+bench.unpack_wheel = lambda wheel, site, python: site
 bench.write_models = lambda folder, names: {{"dense": folder}}
 bench.side_by_side = one_run_that_hangs
 sys.exit(bench.main(["--cases", "tp1", "--out", {out!r}]))
@@ -368,10 +368,12 @@ def test_a_gpu_line_is_the_official_wheel_and_the_patched_one_unpacked(
     monkeypatch.setattr(bench, "official_wheel_of", lambda patched: wheels["pristine"])
     monkeypatch.setattr(bench, "gpu_count", lambda: 2)
     out = tmp_path / "out"
-    line = bench.prepare_gpu(wheels["patched"], Path("/gpu/bin/python"), out, {"PATH": "/bin"})
-    assert line.version == "0.5.23" and line.gpus == 2 and line.python == Path("/gpu/bin/python")
+    python = Path(sys.executable)  # the GPU venv's interpreter, which compiles what it serves
+    line = bench.prepare_gpu(wheels["patched"], python, out, {"PATH": "/bin"})
+    assert line.version == "0.5.23" and line.gpus == 2 and line.python == python
     for tree, site in line.sites.items():
         assert (site / "sglang" / "which.py").read_text() == f"TREE = {tree!r}\n"
+        assert list((site / "sglang" / "__pycache__").glob("which.*.pyc")), "not byte-compiled"
     # Nothing of the CPU engine; the venv serves its own requirements.
     assert line.pythonpath == [] and "SGLANG_USE_CPU_ENGINE" not in line.env
     assert line.env == {"PATH": "/bin", "TORCH_EXTENSIONS_DIR": str(out / "torch-extensions")}

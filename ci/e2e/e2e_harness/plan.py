@@ -262,9 +262,9 @@ CPU_RUNS = tuple(spec.name for spec, _ in CPU_PLAN)
 # What `--runs` left out runs (./scripts/test, so every CI run): each series entry's proof on a
 # real server once, pristine dying and patched serving with outputs equal to its control's, on
 # two ranks where the entry is about the ranks agreeing, and the negative control of upstream's
-# rank-consensus checker. A run costs a server's start-up, about a minute of imports on 2 cores,
-# whatever it serves: these 23 take about 40 minutes there, and all
-# 68 more than CI's 90 (it timed out at the 43rd). The nightly runs every run (`--runs all`).
+# rank-consensus checker. A run costs a server's start-up, about 45 s of imports on 2 cores,
+# whatever it serves: these 20 take about 21 minutes there, and all 68 more than CI's 90 (it timed
+# out at the 43rd). The nightly runs every run (`--runs all`).
 CPU_DEFAULT_RUNS = (
     # HiCache with a miss injected while the batch's load is in flight: the prefill unwind, its
     # load wait, the ranks' agreement under drifting readings, and a decode step's miss.
@@ -273,8 +273,9 @@ CPU_DEFAULT_RUNS = (
     # the official wheel whose ranks' free space differs.
     *("tp2-control", "tp2-pristine", "tp2-patched", "tp2-uneven-pristine", "tp2-drift"),
     *("tp2-decode-pristine", "tp2-decode-patched"),
-    # Upstream's own prefill miss, with a chunk parked behind a decoding request.
-    *(f"{ranks}natural-parked-{kind}" for ranks in ("", "tp2-") for kind in (CONTROL, PRISTINE, PATCHED)),
+    # Upstream's own prefill miss, with a chunk parked behind a decoding request, on two ranks (one
+    # rank's runs, the same entry without the ranks' votes, are the nightly's).
+    *(f"tp2-natural-parked-{kind}" for kind in (CONTROL, PRISTINE, PATCHED)),
     # A hybrid model's Mamba state loaded back (the load wait with Mamba slots), and its Mamba
     # checkpoint's natural death, the latter on two ranks.
     *(f"lfm2-{kind}" for kind in (CONTROL, PRISTINE, PATCHED)),
@@ -317,8 +318,8 @@ def runs_without_their_control(names: Sequence[str]) -> list[str]:
 def cpu_specs(line: Any, out: Path, names: Sequence[str]) -> list[RunSpec]:
     """The chosen runs of CPU_PLAN, each with the folder it serves (the wheels are unpacked)."""
     sites = {
-        PRISTINE: unpack_wheel(line.pristine_wheel, out / "sites" / "pristine"),
-        PATCHED: unpack_wheel(line.patched_wheel, out / "sites" / "patched"),
+        PRISTINE: unpack_wheel(line.pristine_wheel, out / "sites" / "pristine", line.python),
+        PATCHED: unpack_wheel(line.patched_wheel, out / "sites" / "patched", line.python),
         WITHOUT_LOAD_WAIT: line.without_load_wait,
     }
     return [dataclasses.replace(spec, site=sites[serves]) for spec, serves in CPU_PLAN if spec.name in names]
@@ -418,7 +419,7 @@ def plan_gpu(
     if wheel is None:
         raise PlanError("--wheel is required on a GPU (the patched wheel in this venv)")
     pristine_wheel = pristine_wheel or official_wheel_of(wheel)
-    pristine_site = unpack_wheel(pristine_wheel, out / "pristine-site")
+    pristine_site = unpack_wheel(pristine_wheel, out / "pristine-site", python)
     plans = [
         ModelPlan(
             name,
