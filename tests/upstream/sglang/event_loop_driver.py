@@ -625,17 +625,26 @@ def _parallel_state(scheduler_module: Any, ranks: dict[str, Any]) -> Any:
 
 
 def _ranks(cfg: sh.HarnessConfig) -> dict[str, Any]:
-    """A TP rank's place in each group of the harness (no pipeline, no data parallelism), and the
-    groups the scheduler's components read (the profiler takes the TP group's CPU group)."""
+    """A TP rank's place in each group of the harness (no pipeline, no data parallelism), the
+    attention groups' widths as the groups are built (TP, context parallel across the attention-CP
+    group, or DP attention: each rank's attention its own), and the groups the scheduler's
+    components read (the profiler takes the TP group's CPU group)."""
+    tp, attn_tp, attn_cp = (
+        GroupStandIn.of(group) for group in (cfg.tp_cpu_group, cfg.attn_tp_cpu_group, cfg.attn_cp_cpu_group)
+    )
+    attn_dp_size = tp.world_size // (attn_tp.world_size * attn_cp.world_size)
     return {
-        "tp_group": GroupStandIn.of(cfg.tp_cpu_group),
-        "attn_tp_group": GroupStandIn.of(cfg.attn_tp_cpu_group),
-        "attn_cp_group": GroupStandIn.of(cfg.attn_cp_cpu_group),
-        "tp_rank": _rank_in(cfg.tp_cpu_group),
+        "tp_group": tp,
+        "attn_tp_group": attn_tp,
+        "attn_cp_group": attn_cp,
+        "tp_rank": tp.rank_in_group,
         "pp_rank": 0,
-        "attn_tp_rank": _rank_in(cfg.attn_tp_cpu_group),
-        "attn_cp_rank": _rank_in(cfg.attn_cp_cpu_group),
-        "attn_dp_rank": 0,
+        "attn_tp_rank": attn_tp.rank_in_group,
+        "attn_tp_size": attn_tp.world_size,
+        "attn_cp_rank": attn_cp.rank_in_group,
+        "attn_cp_size": attn_cp.world_size,
+        "attn_dp_rank": tp.rank_in_group // (attn_tp.world_size * attn_cp.world_size),
+        "attn_dp_size": attn_dp_size,
         "dp_rank": None,
     }
 

@@ -748,10 +748,14 @@ class Harness:
         return req
 
     def add_request(
-        self, token_ids: list[int], rid: str | None = None, session: Session | None = None
+        self,
+        token_ids: list[int],
+        rid: str | None = None,
+        session: Session | None = None,
+        max_new_tokens: int = 8,
     ) -> Req:
         """Queue a request through the real `_add_request_to_queue` (scheduler.py:3193-3206)."""
-        req = self.make_req(token_ids, rid, session=session)
+        req = self.make_req(token_ids, rid, max_new_tokens, session=session)
         self.scheduler._add_request_to_queue(req)
         if self.cfg.pd_prefill:  # it waits in the bootstrap queue until its transfer is set up
             assert self.scheduler.disagg_prefill_bootstrap_queue.queue[-1] is req
@@ -1005,9 +1009,14 @@ class Harness:
         collector = RecordingCollector(
             labels={"model_name": "tiny", "moe_ep_rank": 0}, server_args=self.scheduler.server_args
         )
-        self.scheduler.metrics_reporter = MetricsReporterStub(
-            enable_metrics=True, metrics_collector=collector
-        )
+        reporter = self.scheduler.metrics_reporter
+        if isinstance(reporter, MetricsReporterStub):
+            self.scheduler.metrics_reporter = MetricsReporterStub(
+                enable_metrics=True, metrics_collector=collector
+            )
+        else:  # the real reporter an event loop driver installed: its methods run, recorded
+            reporter.enable_metrics = True
+            reporter.metrics_collector = collector
         return RecordingMetric.created
 
     @contextlib.contextmanager

@@ -28,8 +28,10 @@ from typing import Any
 
 import pytest
 import scheduler_harness as sh
+from event_loop_driver import EventLoopDriver
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache import common
+from test_event_loop_driver import NO_OVERLAP
 from test_prefill_unwind import _prompt
 from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
 
@@ -120,25 +122,40 @@ def test_a_step_that_fits_waits_for_no_copy() -> None:
 
 
 def _behind_backups_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
-    """Both ranks: a rank-local pool, two requests decoding, a finished prefix filling the pool
-    but one token (one less than the step needs), every backup in flight; then each rank's real
-    reading drifts at every read (a co-tenant's 0-5 tokens, differently on each rank, as
-    kvcached's cached reading drifts). The ranks must decide alike: wait, evict the prefix,
-    decode both."""
+    """Both ranks, on SGLang's event_loop_normal: a rank-local pool, two requests prefilled (the
+    loop's result processing puts their prompts in the tree, which starts their backups), a
+    finished prefix filling the pool but one token (one less than the next step needs), every
+    backup in flight; then each rank's real reading drifts at every read (a co-tenant's 0-5
+    tokens, differently on each rank, as kvcached's cached reading drifts). The loop's next
+    iteration decodes: the ranks must decide alike, wait, evict the prefix, decode both."""
+    sched = h.scheduler
+    sched.enable_skip_finishing_decode = False
+    sched.decode_offload_manager = None
+    driver = EventLoopDriver(h)
     assert h.physical is not None
     h.physical.take(0)  # the setup fills the pool exactly; the readings drift once it is full
-    batch = _start_decoding(h)
+    reqs = [h.add_request(_prompt(i, PROMPT_TOKENS)) for i in range(2)]
+    prefill = driver.step()
+    assert prefill.forward_mode == "EXTEND" and len(prefill.rids) == 2, prefill
+    assert h.tree_cache.ongoing_write_through, "the backups must still be in flight"
     _fill_with_a_finished_prefix(h, left_free=1)
     h.physical.drift(_drifting(rank))
-    step = _decode_step(h, batch)
-    step["uniform_free"] = h.token_to_kv_pool_allocator.uniform_available_size()
-    return step
+    decode = driver.step()
+    kept = list(decode.rids) if decode.forward_mode == "DECODE" else []
+    queued = {r.rid for r in sched.waiting_queue}
+    return {
+        "kept": kept,
+        "retracted": sorted(queued),
+        "aborted": sorted({r.rid for r in reqs} - set(kept) - queued),
+        "backups_in_flight": len(h.tree_cache.ongoing_write_through),
+        "uniform_free": h.token_to_kv_pool_allocator.uniform_available_size(),
+    }
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> TwoRanks:
     name = "tp_behind_backups_with_drift"
-    config = {"hicache": True, "auto_complete_events": False}
+    config = {"hicache": True, "auto_complete_events": False, **NO_OVERLAP}
     return run_two_ranks([name], {name: _behind_backups_with_drift}, {name: KV_TOKENS}, {name: config})
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import scheduler_harness as sh
 from test_prefill_unwind import MAMBA, PREFIX, _prompt
-from test_rank_agreement import TwoRanks, _release_order, run_two_ranks
+from test_rank_agreement import TwoRanks, _loop, _release_order, run_two_ranks
 
 NAME = "tp_diverged_round_with_a_load"
 CONFIG: dict[str, Any] = {
@@ -41,7 +41,10 @@ SECOND_PROMPT = 96
 
 
 def _diverged_round_with_a_load(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """The round is the first iteration of SGLang's event loop (the configuration's:
+    event_loop_overlap)."""
     sched = h.scheduler
+    driver = _loop(h)
     assert h.physical is not None
     h.physical.take(0)
     h.put_prefix_on_host(PREFIX)
@@ -53,10 +56,10 @@ def _diverged_round_with_a_load(h: sh.Harness, rank: int) -> dict[str, Any]:
     h.add_request(_prompt(1, SECOND_PROMPT))
     h.device_log.clear()
     with h.spy_releases():
-        batch = h.run_round()
+        ran = driver.step()
     consumer = [int(name) for op, name in h.device_log.entries if op == "consumer"]
     return {
-        "batch": None if batch is None else [r.rid for r in batch.reqs],
+        "batch": None if ran.forward_mode is None else list(ran.rids),
         "divergences": sched.num_prefill_divergences,
         "unwinds": sh.num_prefill_unwinds(h),
         "order": _release_order(h.device_log.entries),

@@ -35,6 +35,7 @@ from test_rank_agreement import (
     MultiRoundScenario,
     _after_the_agreement_before_admission,
     _cotenant,
+    _loop,
     run_two_ranks,
 )
 
@@ -75,14 +76,19 @@ def _take_back_state(h: sh.Harness) -> dict[str, int]:
 
 
 def _load_back_misses_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any]:
+    """On SGLang's real event loop (the configuration's: event_loop_overlap): a request whose
+    prefix is on host only; right after the ranks agree before admission, a co-tenant takes rank
+    1's memory, so its load-back allocation misses there alone."""
     sched = h.scheduler
+    driver = _loop(h)
     h.put_prefix_on_host(PREFIX)
-    h.add_request([*PREFIX, 7, 8, 9])
+    h.add_request([*PREFIX, 7, 8, 9], max_new_tokens=1)
     names: dict[Any, str] = {}
     with contextlib.ExitStack() as stack:
         if rank == 1:
             _after_the_agreement_before_admission(sched, stack, lambda: stack.enter_context(_cotenant(h, 8)))
-        batch = h.run_round()
+        ran = driver.step()
+        batch = sched.last_batch if ran.forward_mode is not None else None
         first = {
             "take_back": _take_back_state(h),
             "batch": _rids(batch),
@@ -91,22 +97,15 @@ def _load_back_misses_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any]:
             "divergences": sched.num_prefill_divergences,
             "state": _load_state(h, names),
         }
-    if batch is not None:
-        for req in batch.reqs:
-            h.finish_request(req)
     # The co-tenant left: a round admits by the free space the last vote agreed (the miss's: the
     # co-tenant's), the next by what the vote of the one before saw, and runs.
     retries: list[Any] = []
     for _ in range(3):
-        h.prepare_next_round()
-        retry = h.run_round()
-        retries.append(_rids(retry))
-        if retry is not None:
-            for req in retry.reqs:
-                h.finish_request(req)
+        retry = driver.step()
+        retries.append(list(retry.rids) if retry.forward_mode is not None else None)
+        if retry.forward_mode is not None:
             break
-    for _ in range(2):
-        h.prepare_next_round()
+    driver.run(2)  # the loop polls the copies (and processes the last result)
     return {
         "first": first,
         "retries": retries,

@@ -25,13 +25,16 @@ import contextlib
 from array import array
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import scheduler_harness as sh
+from event_loop_driver import EventLoopDriver
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from test_decode_retraction import _checkpoint_prompt
+from test_event_loop_driver import NO_OVERLAP
 from test_prefill_unwind import _prompt
 from test_rank_agreement import TwoRanks, run_two_ranks
 
@@ -221,26 +224,47 @@ def test_the_miss_is_counted_in_prometheus() -> None:
 
 
 def _landed_on_one_rank(h: sh.Harness, rank: int) -> dict[str, Any]:
-    """Both ranks: a request running, every Mamba slot held by backed-up prefixes. Rank 0's
-    copies land, rank 1's are still in flight; the step's lockstep reaping (writing_check, the
-    least count any rank has ready) then reaps none on either rank. The checkpoint must then
-    decide alike on both ranks."""
-    req, _ = _running_request(h)
-    _fill_with_backed_up_prefixes(h)
+    """Both ranks, on SGLang's event_loop_normal: backed-up prefixes hold every Mamba slot but
+    one, which a request's admission takes. Rank 0's copies land, rank 1's are still in flight;
+    the iteration's lockstep reaping (writing_check, the least count any rank has ready) then reaps
+    none on either rank. The request prefills, and the loop's result processing checkpoints its
+    prompt with no slot free: the checkpoint must decide alike on both ranks."""
+    sched = h.scheduler
+    sched.enable_skip_finishing_decode = False
+    sched.decode_offload_manager = None
+    driver = EventLoopDriver(h)
+    for i in range(h.free_counts()["mamba_slots"] - 1):
+        h.cache_prefix(_prefix(i))
+    assert len(h.tree_cache.ongoing_write_through) == PREFIXES
+    req = h.add_request(_prompt(0, PROMPT_TOKENS))
     if rank == 0:
         h.device.complete_all()
-    h.scheduler._process_hicache_events()
-    reaped_in_lockstep = len(h.tree_cache.ongoing_write_through)
-    seen = _checkpoint(h, req)
-    seen["in_flight_after_lockstep_reaping"] = reaped_in_lockstep
-    seen["free_mamba_slots"] = h.free_counts()["mamba_slots"]
-    return seen
+    in_flight: list[int] = []
+    poll = sched._process_hicache_events
+
+    def polled(*args: Any, **kwargs: Any) -> Any:
+        polled_now = poll(*args, **kwargs)
+        in_flight.append(len(h.tree_cache.ongoing_write_through))
+        return polled_now
+
+    with mock.patch.object(sched, "_process_hicache_events", polled):
+        ran = driver.step()
+    misses = _mamba(h).slot_misses
+    return {
+        "ran": (ran.forward_mode, ran.rids),
+        "in_flight_after_lockstep_reaping": in_flight[0],
+        "rescued": misses.rescued,
+        "skipped": misses.checkpoint_skipped,
+        "prompt_cached": _match(h, list(req.origin_input_ids))[0],
+        "backups_in_flight": len(h.tree_cache.ongoing_write_through),
+        "free_mamba_slots": h.free_counts()["mamba_slots"],
+    }
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> TwoRanks:
     name = "tp_mamba_checkpoint_behind_backups"
-    return run_two_ranks([name], {name: _landed_on_one_rank}, {}, {name: CONFIG})
+    return run_two_ranks([name], {name: _landed_on_one_rank}, {}, {name: {**CONFIG, **NO_OVERLAP}})
 
 
 def test_two_ranks_whose_copies_land_apart_checkpoint_alike(two_ranks: TwoRanks) -> None:

@@ -20,13 +20,17 @@ is writing); on two gloo ranks with readings that drift, both ranks deciding ali
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import scheduler_harness as sh
+from event_loop_driver import EventLoopDriver
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from test_decode_retraction import _checkpoint_prompt
+from test_event_loop_driver import NO_OVERLAP
 from test_prefill_unwind import CHUNK, MAMBA, _prompt
 from test_rank_agreement import TwoRanks, _drifting, run_two_ranks
 
@@ -181,25 +185,52 @@ def test_a_step_behind_a_chunk_still_in_flight_waits_a_step_then_releases_it() -
 
 
 def _parked_chunk_with_drift(h: sh.Harness, rank: int) -> dict[str, Any]:
-    """Both ranks: a rank-local pool, one request decoding, a parked chunk, decoded until full;
-    then each rank's real reading drifts at every read (a co-tenant's 0-5 tokens, differently on
-    each rank, as kvcached's cached reading drifts). The ranks must decide alike: release the
-    chunk and decode the request."""
+    """Both ranks, on SGLang's event_loop_normal, each rank's real reading drifting at every read
+    (a co-tenant's 0-5 tokens, differently on each rank, as kvcached's cached reading drifts): one
+    request decoding, then a long request whose first chunk runs and whose next chunk's allocation
+    misses at every try (the pool cannot fit it), so it stays parked while the loop decodes the
+    short request into the rest of the pool. The ranks must decide alike at the step that does not
+    fit: release the chunk and decode the request."""
+    sched = h.scheduler
+    sched.enable_skip_finishing_decode = False
+    sched.decode_offload_manager = None
+    driver = EventLoopDriver(h)
     assert h.physical is not None
-    h.physical.take(0)  # the setup fills the pool exactly; the readings drift once it is full
-    batch = _start_decoding(h, 1)
-    long = _park_a_chunk(h)
-    _decode_until_full(h, batch)
     h.physical.drift(_drifting(rank))
-    step = _decode_step(h, batch, long)
-    step["uniform_free"] = h.token_to_kv_pool_allocator.uniform_available_size()
-    return step
+    max_new_tokens = KV_TOKENS - SHORT_TOKENS - CHUNK + 10
+    short = h.make_req(_prompt(0, SHORT_TOKENS), max_new_tokens=max_new_tokens)
+    sched._add_request_to_queue(short)
+    assert driver.step().rids == (short.rid,)
+    long = h.add_request(_prompt(1, LONG_TOKENS))
+    assert driver.step().rids == (long.rid,) and sched.chunked_req is long
+    protected: list[int] = []
+    # Every later chunk of it misses, so it stays parked; for as long as the ~300 decode steps
+    # take on a busy machine (its unwind deadline, 30 s by default, is not what this tests).
+    with h.arm_miss("token_slots"), mock.patch.dict(os.environ, {"SGLANG_PREFILL_UNWIND_DEADLINE_S": "600"}):
+        for _ in range(DECODE_STEPS_BOUND):
+            protected.append(h.tree_cache.protected_size())
+            ran = driver.step()
+            if getattr(sched, "num_parked_chunk_releases", 0) or ran.forward_mode != "DECODE":
+                break
+    return {
+        "long": long.rid,
+        "ran": (ran.forward_mode, ran.rids),
+        "decode_steps": len(protected),
+        "queued": [r.rid for r in sched.waiting_queue],
+        "aborted": sorted(r.rid for r in (short, long) if r.finished() and r.rid not in ran.rids),
+        "chunk_parked": sched.chunked_req is long,
+        "chunk_holds_kv": long.kv.holds_kv,
+        # Tree tokens whose lock was given back (the parked chunk's, or a retracted prompt's).
+        "unlocked": protected[-1] - h.tree_cache.protected_size(),
+        "releases": getattr(sched, "num_parked_chunk_releases", 0),
+        "uniform_free": h.token_to_kv_pool_allocator.uniform_available_size(),
+    }
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> TwoRanks:
     name = "tp_parked_chunk_with_drift"
-    config = {"chunked_prefill_size": CHUNK}
+    config = {"chunked_prefill_size": CHUNK, **NO_OVERLAP}
     return run_two_ranks([name], {name: _parked_chunk_with_drift}, {name: KV_TOKENS}, {name: config})
 
 
@@ -207,4 +238,8 @@ def test_two_ranks_whose_readings_drift_release_the_parked_chunk_alike(two_ranks
     ranks = two_ranks.scenario("tp_parked_chunk_with_drift")
     assert ranks[0] == ranks[1]  # kept, queued, aborted, the chunk's state, free space: alike
     r = ranks[0]
-    assert r["aborted"] == [] and r["kept"] == ["r0"] and r["releases"] == 1
+    assert r["aborted"] == [] and r["releases"] == 1, r
+    assert r["ran"][0] == "DECODE" and len(r["ran"][1]) == 1, r  # the short request decoded on
+    # The chunk released: queued again, holding nothing, its prefix's lock given back.
+    assert r["queued"] == [r["long"]] and not r["chunk_parked"] and not r["chunk_holds_kv"], r
+    assert r["unlocked"] == CHUNK, r

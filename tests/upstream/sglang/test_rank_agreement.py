@@ -31,10 +31,12 @@ import pytest
 import scheduler_harness as sh
 import torch
 import torch.distributed as dist
+from event_loop_driver import EventLoopDriver, OverlapEventLoopDriver
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.session.session_controller import Session
+from simulation import strict_idle_check_off
 from test_prefill_unwind import CHUNK, MAMBA, PING_PONG, PREFIX, _charged, _prompt, _start_chunked
 
 
@@ -232,7 +234,12 @@ def _no_miss() -> contextlib.nullcontext[list[str]]:
 
 
 def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str, Any]:
+    """The scenario on SGLang's real event loop (the one the scenario's configuration runs:
+    event_loop_overlap, a server's default, unless it disables overlap): the round under test is
+    one iteration of it, the retry the next; what the loop does between them (the chunk's stash,
+    the HiCache events' poll, on_idle) is the loop's own."""
     sched = h.scheduler
+    driver = (OverlapEventLoopDriver if h.cfg.enable_overlap else EventLoopDriver)(h)
     reqs: list[Req] = []
     if scenario.first == "session":
         first_turn = _prompt(7, 30)
@@ -242,25 +249,28 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
         session = Session(capacity_of_str_len=1 << 16, session_id="first-turn", streaming=True)
         reqs.append(h.add_request(_prompt(7, 30), session=session))
     elif scenario.first == "chunked":
-        reqs.append(_start_chunked(h, 100))  # both ranks run its first chunk
+        long = h.add_request(_prompt(0, 100))
+        # Both ranks run its first chunk; the next iteration stashes it and continues it.
+        assert driver.step().rids == (long.rid,) and sched.chunked_req is long
+        reqs.append(long)
     elif scenario.first == "host":
         h.put_prefix_on_host(PREFIX)
         reqs.append(h.add_request([*PREFIX, 7, 8, 9]))
     reqs += [h.add_request(_prompt(i)) for i in range(4 - len(reqs))]
-    before = h.free_counts()
-    protected_before = h.tree_cache.protected_size()
     h.device_log.clear()
     with contextlib.ExitStack() as stack:
         reported = stack.enter_context(
             h.arm_miss(scenario.site) if rank == MISSING_RANK and scenario.site else _no_miss()
         )
         stack.enter_context(h.spy_releases())
-        batch = h.run_round()
+        before = stack.enter_context(_read_when_the_round_begins(h))
+        round_ = driver.step()
     consumer = [int(name) for op, name in h.device_log.entries if op == "consumer"]
+    protected_before = before["protected"]
     result: dict[str, Any] = {
-        "batch": None if batch is None else [r.rid for r in batch.reqs],
+        "batch": list(round_.rids) if round_.forward_mode is not None else None,
         "reported": list(reported),
-        "before": before,
+        "before": before["free"],
         "after": h.free_counts(),
         "queue": [r.rid for r in sched.waiting_queue],
         "chunked": None if sched.chunked_req is None else sched.chunked_req.rid,
@@ -276,23 +286,62 @@ def _rank_scenario(h: sh.Harness, rank: int, scenario: RankScenario) -> dict[str
         ),
     }
     result["session_slots"] = _session_slots(h)
-    h.prepare_next_round()
-    retry = h.run_round()
-    result["retry"] = None if retry is None else [r.rid for r in retry.reqs]
+    retry = driver.step()
+    result["retry"] = list(retry.rids) if retry.forward_mode is not None else None
     result["session_slots_after_retry"] = _session_slots(h)
+    result["state_after_retry"] = [_req_state(r) for r in reqs]
     if scenario.rank0_free_tokens is not None:
-        for req in {*(batch.reqs if batch else []), *(retry.reqs if retry else [])}:
-            h.finish_request(req)
-        h.prepare_next_round()
         if rank != 0 and h.physical is not None:
             # Rank 1's drifting co-tenants leave: its pool as it is then has no memory away, so
             # sglang's idle check can compare it with its total.
             h.physical.take(0)
-        result["idle_leaks_agreed"] = h.idle_leak_report()
-        getattr(sched, "_release_agreed_free_space", lambda: None)()  # what on_idle does when idle
-        result["idle_leaks_released"] = h.idle_leak_report()
-    result["state_after_retry"] = [_req_state(r) for r in reqs]
+        # Upstream's strict idle check off, as kvcached's integration runs it (rank 0's co-tenant
+        # still holds its memory, which the check would read as a leak): the harness's check,
+        # read on every idle iteration before and after the scheduler reads its pools as they are.
+        idle_reports = _idle_reports_around_the_release(h)
+        with strict_idle_check_off():
+            driver.run_until_idle(max_iterations=60)
+        agreed, released = idle_reports[-1] if idle_reports else (None, None)
+        result["idle_leaks_agreed"], result["idle_leaks_released"] = agreed, released
     return result
+
+
+@contextlib.contextmanager
+def _read_when_the_round_begins(h: sh.Harness) -> Iterator[dict[str, Any]]:
+    """The pools' own free counts and the tree's protected size as the loop's prefill round
+    begins (after what the loop does first: a chunk's stash, the HiCache events' poll)."""
+    sched = h.scheduler
+    read: dict[str, Any] = {}
+    get_new_batch_prefill = sched.get_new_batch_prefill
+
+    def reading_first(*args: Any, **kwargs: Any) -> Any:
+        if not read:
+            read.update(free=h.free_counts(), protected=h.tree_cache.protected_size())
+        return get_new_batch_prefill(*args, **kwargs)
+
+    with mock.patch.object(sched, "get_new_batch_prefill", reading_first):
+        yield read
+
+
+def _idle_reports_around_the_release(h: sh.Harness) -> list[tuple[list[str], list[str]]]:
+    """Each time the idle scheduler releases the agreed free space (on_idle's first step), the
+    harness's leak report before and after it."""
+    sched = h.scheduler
+    reports: list[tuple[list[str], list[str]]] = []
+    release = getattr(sched, "_release_agreed_free_space", None)
+    if release is None:  # no agreement in this tree: nothing is released
+        return [([], [])]
+
+    def reported_around(*args: Any, **kwargs: Any) -> Any:
+        if not sched.is_fully_idle():
+            return release(*args, **kwargs)
+        agreed = [str(leak) for leak in h.idle_leak_report()]
+        released = release(*args, **kwargs)
+        reports.append((agreed, [str(leak) for leak in h.idle_leak_report()]))
+        return released
+
+    sched._release_agreed_free_space = reported_around
+    return reports
 
 
 @contextlib.contextmanager
@@ -452,7 +501,7 @@ def run_two_ranks(
         names,
         MULTI_ROUND_SCENARIOS if scenarios is None else scenarios,
         KV_TOKENS if kv_tokens is None else kv_tokens,
-        configs or {},
+        MULTI_ROUND_CONFIGS if configs is None and scenarios is None else configs or {},
         EXPECTED_DIVERGENCE | frozenset(divergence_expected),
         ranks,
     )
@@ -549,28 +598,64 @@ def test_two_ranks_with_different_free_space_admit_alike(two_ranks: TwoRanks) ->
     assert ranks[1]["idle_leaks_agreed"] != [] and ranks[1]["idle_leaks_released"] == []
 
 
+def _loop(h: sh.Harness) -> EventLoopDriver:
+    """SGLang's real event loop for the harness's configuration (event_loop_overlap, a server's
+    default, unless it disables overlap), one iteration per step."""
+    return (OverlapEventLoopDriver if h.cfg.enable_overlap else EventLoopDriver)(h)
+
+
+Span = tuple[str, int, int]  # a request as a forward ran it: rid, prefix length, extend end
+
+
+def _spans_at_forward(driver: EventLoopDriver) -> list[list[Span]]:
+    """Per forward the loop runs (the model worker's, the only fake), each request of its batch as
+    the forward saw it."""
+    seen: list[list[Span]] = []
+    forward = driver.worker.forward_batch_generation
+
+    def spanned(batch: Any, **kwargs: Any) -> Any:
+        seen.append([(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs])
+        return forward(batch, **kwargs)
+
+    driver.worker.forward_batch_generation = spanned  # type: ignore[method-assign]
+    return seen
+
+
+def _loop_round(driver: EventLoopDriver, spans: list[list[Span]]) -> Any:
+    """One iteration of the loop: its batch's requests as the forward ran them (None: it ran no
+    batch, a round put back or nothing to run), or the name of the error that stopped the
+    scheduler."""
+    forwards = len(spans)
+    try:
+        ran = driver.step()
+    except Exception as error:  # the scheduler stopping
+        return type(error).__name__
+    return None if ran.forward_mode is None else spans[forwards]
+
+
+def _rids(ran: Any) -> list[str] | None:
+    return None if ran is None else [rid for rid, _, _ in ran]
+
+
 EVICTION_PREFIXES = [list(range(2000 + 40 * i, 2000 + 40 * i + 32)) for i in range(6)]
 
 
 def _skewed_eviction(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Both ranks cache the same six 32-token prefixes; a co-tenant leaves rank 0 only 16 free
     tokens. New requests need eviction, then one reuses the oldest prefix (the first LRU victim).
-    Each round's batch (rid, prefix length, extend end) and the tree's evictable size after it."""
+    Each iteration's batch (rid, prefix length, extend end) and the tree's evictable size after
+    it (each request finishes with its prefill)."""
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
     for prefix in EVICTION_PREFIXES:
         h.cache_prefix(prefix)
     rounds: list[Any] = []
     with _cotenant(h, 16) if rank == 0 else contextlib.nullcontext():
         for i in range(3):
-            h.add_request(_prompt(i, 40))
-        h.add_request([*EVICTION_PREFIXES[0], 7, 8, 9])
+            h.add_request(_prompt(i, 40), max_new_tokens=1)
+        h.add_request([*EVICTION_PREFIXES[0], 7, 8, 9], max_new_tokens=1)
         for _ in range(12):
-            batch = h.run_round()
-            rounds.append(
-                None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
-            )
-            for req in [] if batch is None else batch.reqs:
-                h.finish_request(req)
-            h.prepare_next_round()
+            rounds.append(_loop_round(driver, spans))
             rounds.append(h.tree_cache.evictable_size())
             if not h.scheduler.waiting_queue:
                 break
@@ -587,35 +672,23 @@ def _cotenant_race(h: sh.Harness, rank: int) -> dict[str, Any]:
     ledger, so alike; rank 0's allocation misses. The co-tenant then leaves; the next round
     agrees again, and both ranks do the same."""
     sched = h.scheduler
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
     reqs = [h.add_request(_prompt(i)) for i in range(3)]
     with contextlib.ExitStack() as stack:
         if rank == 0 and not _after_the_agreement_before_admission(
             sched, stack, lambda: stack.enter_context(_cotenant(h, 2))
         ):  # a series that agrees on nothing before admission
             stack.enter_context(_cotenant(h, 2))
-        raced = h.run_round()
+        raced = _loop_round(driver, spans)
         after_race = {
-            "batch": None if raced is None else [r.rid for r in raced.reqs],
+            "batch": _rids(raced),
             "unwinds": sh.num_prefill_unwinds(h),
             "divergences": getattr(sched, "num_prefill_divergences", 0),
             "charged": [_charged(r) for r in reqs],
             "queue": [r.rid for r in sched.waiting_queue],
         }
-    h.prepare_next_round()
-    agreed = h.run_round()
-    return {**after_race, "agreed": None if agreed is None else [r.rid for r in agreed.reqs]}
-
-
-def _round_outcome(h: sh.Harness) -> Any:
-    """One round: what its batch runs, per request (rid, prefix length, extend end); None where
-    it was put back; or the name of the error that stopped the scheduler."""
-    try:
-        batch = h.run_round()
-    except Exception as error:  # the scheduler stopping
-        return type(error).__name__
-    ran = None if batch is None else [(r.rid, sh.prefix_len(r), sh.extend_end(r)) for r in batch.reqs]
-    h.prepare_next_round()
-    return ran
+    return {**after_race, "agreed": _rids(_loop_round(driver, spans))}
 
 
 def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
@@ -624,14 +697,16 @@ def _trees_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     schedule the request's first chunk with the same extend length, but rank 0 would compute
     tokens 32-96 and rank 1 tokens 0-64 of one batch. The fingerprint covers the prefix length, so
     the ranks put it back; the third such round in a row stops the scheduler, naming it."""
-    prefix = list(range(3000, 3032))
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
     metrics = h.enable_metrics()
+    prefix = list(range(3000, 3032))
     if rank == 0:
         h.cache_prefix(prefix)
     req = h.add_request([*prefix, *range(4000, 4100)])
     outcomes: list[Any] = []
     for _ in range(3):
-        outcomes.append(_round_outcome(h))
+        outcomes.append(_loop_round(driver, spans))
         if isinstance(outcomes[-1], str):
             break
     return {
@@ -648,12 +723,14 @@ def _admitted_apart(h: sh.Harness, rank: int) -> dict[str, Any]:
     second chunked). The round is put back on both ranks, and the next round's admission cap is
     half the largest batch any rank admitted, the vote's, alike on both ranks (4 // 2 = 2): from
     its own batch rank 1 would cap at 1, and the ranks would admit differently again."""
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
     prefix = list(range(3000, 3032))
     if rank == 0:
         h.cache_prefix(prefix)
     for i in range(4):
         h.add_request([*prefix, *range(4000 + 10 * i, 4008 + 10 * i)])
-    outcome = _round_outcome(h)
+    outcome = _loop_round(driver, spans)
     return {"outcome": outcome, "cap": h.scheduler.prefill_unwind_admit_cap}
 
 
@@ -664,12 +741,14 @@ def _chunk_sizes_differ(h: sh.Harness, rank: int) -> dict[str, Any]:
     equal chunk sizes (it runs, and ends the run of divergences), then two more: never three in a
     row, so the scheduler does not stop."""
     sched = h.scheduler
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
     own = sched.chunked_prefill_size
     h.add_request(_prompt(0, 300))
     outcomes: list[Any] = []
     for differ in (True, True, False, True, True):
         sched.chunked_prefill_size = own - 16 if differ and rank == 1 else own
-        outcomes.append(_round_outcome(h))
+        outcomes.append(_loop_round(driver, spans))
         if isinstance(outcomes[-1], str):
             break
     return {"outcomes": outcomes, "divergences": sched.num_prefill_divergences}
@@ -681,7 +760,9 @@ def _cotenant_within_a_round(h: sh.Harness, rank: int) -> dict[str, Any]:
     free space. The next round admits by that, alike on both ranks, and runs: nothing is put
     back. (An agreement kept from before the co-tenant would have rank 1 admit more.)"""
     sched = h.scheduler
-    h.add_request(_prompt(9))
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
+    h.add_request(_prompt(9), max_new_tokens=1)
     with contextlib.ExitStack() as stack:
         if rank == 0:
             taken: list[bool] = []
@@ -695,12 +776,8 @@ def _cotenant_within_a_round(h: sh.Harness, rank: int) -> dict[str, Any]:
         rounds: list[Any] = []
         for prompts in ((), range(4)):
             for i in prompts:
-                h.add_request(_prompt(i))
-            batch = h.run_round()
-            rounds.append(None if batch is None else [r.rid for r in batch.reqs])
-            for req in [] if batch is None else batch.reqs:
-                h.finish_request(req)
-            h.prepare_next_round()
+                h.add_request(_prompt(i), max_new_tokens=1)
+            rounds.append(_rids(_loop_round(driver, spans)))
         return {"rounds": rounds, "unwinds": sh.num_prefill_unwinds(h)}
 
 
@@ -709,20 +786,15 @@ def _cotenant_between_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
     round. Before that next round, a co-tenant takes most of rank 0's memory: both ranks admit by
     the carried ledger, rank 0's allocation misses and the round is put back on both; the round
     after agrees afresh before admitting, and both ranks run the same batch, what fits rank 0."""
-    h.add_request(_prompt(9))
-    first = h.run_round()
-    assert first is not None
-    h.finish_request(first.reqs[0])
-    h.prepare_next_round()
-    reqs = [h.add_request(_prompt(i)) for i in range(4)]
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
+    h.add_request(_prompt(9), max_new_tokens=1)
+    assert _loop_round(driver, spans) is not None
+    reqs = [h.add_request(_prompt(i), max_new_tokens=1) for i in range(4)]
     rounds: list[Any] = []
     with _cotenant(h, 40) if rank == 0 else contextlib.nullcontext():
         for _ in range(2):
-            batch = h.run_round()
-            rounds.append(None if batch is None else [r.rid for r in batch.reqs])
-            for req in [] if batch is None else batch.reqs:
-                h.finish_request(req)
-            h.prepare_next_round()
+            rounds.append(_rids(_loop_round(driver, spans)))
     return {
         "rounds": rounds,
         "unwinds": sh.num_prefill_unwinds(h),
@@ -731,27 +803,26 @@ def _cotenant_between_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
 
 
 def _idle_round_keeps_the_cap(h: sh.Harness, rank: int) -> dict[str, Any]:
-    """After an unwind (rank 1 missed) the next round admits nothing on either rank (the running
-    batch is full): the ranks' vote is IDLE, which must not lift the back-off cap."""
+    """After an unwind (rank 1 missed; the running request decodes in that iteration) the next
+    round admits nothing on either rank (the running batch is full): the ranks' vote is IDLE,
+    which must not lift the back-off cap."""
     sched = h.scheduler
-    running = h.add_request(_prompt(9))
-    first = h.run_round()
-    assert first is not None
-    sched.running_batch = first
+    driver = _loop(h)
+    running = h.add_request(_prompt(9), max_new_tokens=32)
+    assert driver.step().rids == (running.rid,)
     for i in range(4):
         h.add_request(_prompt(i))
     with h.arm_miss("token_slots") if rank == MISSING_RANK else _no_miss():
-        assert h.run_round() is None
+        unwound = driver.step()
     cap_after_unwind = sched.prefill_unwind_admit_cap
     sched.running_batch.batch_is_full = True  # nothing can be admitted this round, on any rank
-    idle = h.run_round()
-    result = {
+    idle = driver.step()
+    return {
+        "unwound_iteration": (unwound.forward_mode, unwound.rids),
         "cap_after_unwind": cap_after_unwind,
-        "idle": idle,
+        "idle": (idle.forward_mode, idle.rids),
         "cap_after_idle": sched.prefill_unwind_admit_cap,
     }
-    h.finish_request(running)
-    return result
 
 
 def _drifting(start: int) -> Iterator[int]:
@@ -763,21 +834,19 @@ def _drifting(start: int) -> Iterator[int]:
 
 def _drift_rounds(h: sh.Harness, rank: int) -> dict[str, Any]:
     """Rank 0's real free space drifts at every reading, near capacity; rank 1's holds. Every
-    round admits, allocates and finishes requests of several sizes. What each decision reads
+    iteration admits, allocates and finishes requests of several sizes. What each decision reads
     (the pools' free space) and what each round admitted must be the same on both ranks."""
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
     if rank == 0:
         assert h.physical is not None
         h.physical.drift(_drifting(h.physical.uniform() - 170))
     rounds: list[Any] = []
     readings: list[int] = []
-    pending = [h.add_request(_prompt(i, 30 + 7 * (i % 4))) for i in range(12)]
+    pending = [h.add_request(_prompt(i, 30 + 7 * (i % 4)), max_new_tokens=1) for i in range(12)]
     for _ in range(16):
-        batch = h.run_round()
+        rounds.append(_rids(_loop_round(driver, spans)))
         readings.append(h.token_to_kv_pool_allocator.available_size())
-        rounds.append(None if batch is None else [r.rid for r in batch.reqs])
-        for req in [] if batch is None else batch.reqs:
-            h.finish_request(req)
-        h.prepare_next_round()
         if not h.scheduler.waiting_queue:
             break
     return {
@@ -817,12 +886,13 @@ def _drift_rounds_checking_prefetches(h: sh.Harness, rank: int) -> dict[str, Any
 def _decode_after_vote(h: sh.Harness, rank: int) -> dict[str, Any]:
     """A prefill round runs alike; while it allocates, a co-tenant takes nearly all of rank 0's
     memory, and from then on rank 0's real reading drifts at every read. The round's vote agrees
-    on the least free space; the running batch's next decode step needs more than that, so it
-    retracts: by the agreed ledger, the same requests on both ranks (by rank 0's drifting real
-    reading, different requests at each try)."""
+    on the least free space; the running batch's next decode step (the loop's next iteration)
+    needs more than that, so it retracts: by the agreed ledger, the same requests on both ranks
+    (by rank 0's drifting real reading, different requests at each try)."""
     sched = h.scheduler
     sched.enable_skip_finishing_decode = False
     sched.decode_offload_manager = None
+    driver = _loop(h)
     reqs = [h.add_request(_prompt(i, 40)) for i in range(5)]
     with contextlib.ExitStack() as stack:
         if rank == 0:
@@ -834,21 +904,16 @@ def _decode_after_vote(h: sh.Harness, rank: int) -> dict[str, Any]:
                 return settle(batch, allocated)
 
             stack.enter_context(mock.patch.object(sched, "_settle_prefill_round", lose_memory_then_settle))
-        batch = h.run_round()
-    assert batch is not None and len(batch.reqs) > 1
-    for req in batch.reqs:  # what the prefill's result does: each request has its first token
-        req.output_ids.append(7)
-    h.prepare_next_round()
-    sched.running_batch = batch
+        prefill = driver.step()
+    assert prefill.forward_mode == "EXTEND" and len(prefill.rids) > 1
     before = h.token_to_kv_pool_allocator.available_size()
-    running = [r.rid for r in batch.reqs]
-    sched.update_running_batch(batch)
+    decode = driver.step()
     return {
-        "running": running,
-        "queued": [r.rid for r in reqs if r.rid not in running],
+        "running": list(prefill.rids),
+        "queued": [r.rid for r in reqs if r.rid not in prefill.rids],
         "before": before,
-        "kept": [r.rid for r in batch.reqs],
-        "retracted": sorted(set(running) - {r.rid for r in batch.reqs}),
+        "decoded": (decode.forward_mode, decode.rids),
+        "retracted": sorted(set(prefill.rids) - set(decode.rids)),
         "after": h.token_to_kv_pool_allocator.available_size(),
     }
 
@@ -859,20 +924,18 @@ def _no_agreement_helper(h: sh.Harness, rank: int) -> dict[str, Any]:
     --radix-cache-backend plugin): the ranks agree over the scheduler's own attention groups.
     Rank 0's reading is lowered (no miss): both admit what fits rank 0. Then rank 1 misses: both
     put the round back, and retry alike."""
+    driver = _loop(h)
+    spans = _spans_at_forward(driver)
     rounds: list[Any] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(h.tree_cache, "_all_reduce_attn_groups", None))
         if rank == 0:
             stack.enter_context(_cotenant(h, 40))
         for i in range(4):
-            h.add_request(_prompt(i))
+            h.add_request(_prompt(i), max_new_tokens=1)
         for miss in (False, True, False):
             with h.arm_miss("token_slots") if miss and rank == MISSING_RANK else _no_miss():
-                batch = h.run_round()
-            rounds.append(None if batch is None else [r.rid for r in batch.reqs])
-            for req in [] if batch is None else batch.reqs:
-                h.finish_request(req)
-            h.prepare_next_round()
+                rounds.append(_rids(_loop_round(driver, spans)))
     return {"rounds": rounds, "unwinds": sh.num_prefill_unwinds(h), "queue": len(h.scheduler.waiting_queue)}
 
 
@@ -895,6 +958,11 @@ MULTI_ROUND_SCENARIOS: dict[str, MultiRoundScenario] = {
 CHUNKED_SCENARIOS = {"tp_trees_differ", "tp_chunk_sizes_differ", "tp_admitted_apart"}
 # Built with a pool this size (the default else).
 KV_TOKENS = {"tp_drift_rounds": 256, "tp_drift_prefetch_checks": 256, "tp_decode_after_vote": 256}
+# Each on event_loop_normal (--disable-overlap-schedule): a request that ends with its prefill
+# ends in that iteration, so each iteration is one prefill round and its requests' release.
+MULTI_ROUND_CONFIGS: dict[str, dict[str, Any]] = {
+    name: {"enable_overlap": False} for name in MULTI_ROUND_SCENARIOS
+}
 # Run on their own ranks: on a series where the ranks' collectives stop lining up, a scenario
 # would leave the next one's collectives misaligned too.
 OWN_RANKS = {"tp_drift_prefetch_checks"}
@@ -959,9 +1027,12 @@ def test_a_drifting_reading_retracts_alike_on_every_rank(two_ranks: TwoRanks) ->
 
 def test_a_round_where_no_rank_admits_keeps_the_cap(two_ranks: TwoRanks) -> None:
     ranks = two_ranks.scenario("tp_idle_round")
+    assert ranks[0] == ranks[1]
     for r in ranks.values():
+        # The unwound round's iteration and the next both decode the running request only.
+        assert r["unwound_iteration"][0] == r["idle"][0] == "DECODE", r
         assert r["cap_after_unwind"] is not None
-        assert r["idle"] is None and r["cap_after_idle"] == r["cap_after_unwind"]
+        assert r["cap_after_idle"] == r["cap_after_unwind"]
 
 
 def test_ranks_that_admitted_apart_cap_the_next_round_alike(two_ranks: TwoRanks) -> None:
