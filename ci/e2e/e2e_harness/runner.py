@@ -27,9 +27,11 @@ UNWIND_LOG = re.compile(r"Prefill allocation (missed|diverged across ranks); unw
 
 # Servers started for one run when each finds its HTTP port taken (a race, not the run's outcome).
 PORT_ATTEMPTS = 3
-# Servers started for one natural run when each serves its traffic without the server's own miss
-# (it depends on timing: a copy landing before or after a checkpoint). Each attempt that showed
-# nothing is printed; the last one's verdict stands.
+# Servers started for one run when each shows nothing of what it is for, for a reason of timing: a
+# natural run whose traffic did not bring about the server's own miss (a copy landing before or
+# after a checkpoint), or the checker's negative control whose server died of a miss before the
+# checker's thread compared the ranks. Each attempt that showed nothing is printed; the last one's
+# verdict stands.
 NATURAL_ATTEMPTS = 3
 
 
@@ -175,13 +177,13 @@ def run_plans(
                     request_timeout_s=request_timeout_s,
                 )
                 port_attempts += run.port_taken
-                natural_attempts += run.natural_miss_absent
+                natural_attempts += run.showed_nothing
                 if run.port_taken and port_attempts < PORT_ATTEMPTS:
                     print(
                         f"e2e: {plan.model} {spec.name}: port {port} was taken before the server bound it;"
                         " again"
                     )
-                elif run.natural_miss_absent and natural_attempts < NATURAL_ATTEMPTS:
+                elif run.showed_nothing and natural_attempts < NATURAL_ATTEMPTS:
                     print(
                         f"e2e: {plan.model} {spec.name}: {run.verdict} ({run.seconds:.0f} s);"
                         f" again ({natural_attempts + 1} of {NATURAL_ATTEMPTS})",
@@ -189,8 +191,8 @@ def run_plans(
                     )
                 else:
                     break
-            if natural_attempts and not run.natural_miss_absent:
-                run.verdict += f" (on attempt {natural_attempts + 1}: the earlier showed no natural miss)"
+            if natural_attempts and not run.showed_nothing:
+                run.verdict += f" (on attempt {natural_attempts + 1}: the earlier showed nothing)"
             if spec.kind == CONTROL:
                 controls[spec.name] = {o.key: o.output_ids for o in outcomes if o.ok}
             runs.append(run)

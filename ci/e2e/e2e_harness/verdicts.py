@@ -62,6 +62,11 @@ class Run:
     # A natural run whose traffic did not bring about the server's own miss this time (nothing
     # injected; the miss depends on timing): it showed nothing, so it fails, and is started again.
     natural_miss_absent: bool = False
+    # The checker's negative control whose server died of something else first (a miss of its
+    # drifting reading) before upstream's checker, which compares on a thread of its own that a
+    # busy machine can hold back, reached the ranks' first divergent decision: it showed nothing
+    # this time, so it fails, and is started again.
+    checker_outrun: bool = False
     finished: int = 0
     failed: int = 0
     hung: bool = False
@@ -116,6 +121,11 @@ class Run:
     seconds: float = 0.0
     peak_rss_mb: int = 0
     log: str = ""
+
+    @property
+    def showed_nothing(self) -> bool:
+        """What the run is for did not happen this time, for a reason of timing: started again."""
+        return self.natural_miss_absent or self.checker_outrun
 
     @property
     def every_rank(self) -> list[str]:
@@ -276,6 +286,7 @@ def judge(
             else f"upstream's rank-consensus checker found no rank divergence ({run.finished} finished,"
             f" {run.failed} failed, server died: {run.server_died})"
         )
+        run.checker_outrun = not run.ok and run.server_died
     elif run.rank_divergence_found and run.kind != PRISTINE:
         run.ok, run.verdict = False, "upstream's rank-consensus checker found rank divergence (server log)"
     elif scenario.injects and run.kind in INJECTING and run.injected_misses == 0:
