@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import threading
 import types
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import scheduler_harness as sh
@@ -54,6 +56,21 @@ class SimGrammar(BaseGrammarObject):  # type: ignore[misc]  # sglang is untyped
         return f"SimGrammar({self.key_string=}, {self.accepted_tokens=})"
 
 
+class SchemaFutures(ThreadPoolExecutor):
+    """The backend's thread pool, noting each compilation's future by its schema (upstream submits
+    `_init_value_dispatch(key, ...)`, its key (kind, schema))."""
+
+    def __init__(self, max_workers: int) -> None:
+        super().__init__(max_workers=max_workers)
+        self.by_schema: dict[str, Future[Any]] = {}
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future = super().submit(fn, *args, **kwargs)
+        if args and isinstance(args[0], tuple) and len(args[0]) == 2:
+            self.by_schema[str(args[0][1])] = future
+        return future
+
+
 class GatedBackend(BaseGrammarBackend):  # type: ignore[misc]  # sglang is untyped
     """Upstream's grammar backend, its compiler replaced: each JSON schema (one per request, named
     by it) compiles once its gate is open."""
@@ -62,11 +79,21 @@ class GatedBackend(BaseGrammarBackend):  # type: ignore[misc]  # sglang is untyp
         super().__init__()
         # A thread for every request a seed sends: a compilation held at its gate must not keep
         # another, whose gate is open, waiting for a thread (the pool's size is not under test).
-        self.executor = ThreadPoolExecutor(max_workers=32)
+        self.executor = SchemaFutures(max_workers=32)
         self.gates: dict[str, threading.Event] = {}
 
     def gate(self, schema: str) -> threading.Event:
         return self.gates.setdefault(schema, threading.Event())
+
+    def let_compile(self, schema: str) -> None:
+        """Open the schema's gate and wait (bounded) until its compilation has finished, so the
+        rank's next poll reads it ready whatever its thread's timing: a seed's iterations repeat
+        on every run (upstream's poll reads `future.done()`, which a busy machine could otherwise
+        leave false for one more iteration)."""
+        self.gate(schema).set()
+        future = self.executor.by_schema.get(schema)
+        if future is not None:
+            futures_wait([future], timeout=GATE_BOUND_S)
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
         if not self.gate(key_string).wait(GATE_BOUND_S):

@@ -484,7 +484,7 @@ def run_rank(h: sh.Harness, rank: int, sim: SimPlan) -> dict[str, Any]:
                 if grammars is not None:
                     for rid, at in compile_at.items():
                         if at == iteration:
-                            grammars.gate(sim_grammar.schema_of(rid)).set()
+                            grammars.let_compile(sim_grammar.schema_of(rid))
                     record.grammar_waits += h.scheduler.grammar_manager.has_waiting_grammars()
                 aborting = [r.rid for r in sim.requests if r.aborted_at == iteration]
                 if aborting:
