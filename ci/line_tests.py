@@ -134,11 +134,6 @@ def main() -> int:
     )
     parser.add_argument("--schedule", choices=(EVERY, NIGHTLY), default=EVERY)
     parser.add_argument("--list", action="store_true", help="print the runs and their environments only")
-    parser.add_argument(
-        "--environments",
-        action="store_true",
-        help="build the runs' environments only (before anything else uses them side by side)",
-    )
     args, pytest_options = parser.parse_known_args()
     project = Project(ROOT)
     try:
@@ -147,8 +142,6 @@ def main() -> int:
             for run in runs:
                 print(f"{run.label}\t{run.env.name}\t{run.env.venv.relative_to(ROOT)}")
             return 0
-        if args.environments:
-            return 0 if all(environment_built(run) for run in runs) else 1
         with found_branch_restored(project, sorted(project.pins())) as not_restored:
             code = 0
             worktrees: list[tuple[Git, Path]] = []

@@ -77,23 +77,3 @@ def test_runs_go_side_by_side_and_a_failed_one_is_printed_last(
     assert sorted(started) == [0, 1]
     assert out.index("output of run 1") < out.index("output of run 0")
     assert out.rstrip().endswith(f"line-tests: {runs[0].label}: exit 3 in 1 s")
-
-
-def test_environments_builds_every_runs_environment_and_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """./scripts/test builds them before the line tests and the end-to-end test start side by side
-    (two builders of one environment race)."""
-    commands: list[list[str]] = []
-
-    def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        commands.append(command)
-        return subprocess.CompletedProcess(command, 0)
-
-    def lay_down(*args: object) -> None:
-        raise AssertionError("--environments lays nothing down")
-
-    monkeypatch.setattr(line_tests.subprocess, "run", run)
-    monkeypatch.setattr(line_tests, "lay_down", lay_down)
-    runs = line_tests.ci_runs(line_tests.Project(ROOT), line_tests.EVERY)
-    monkeypatch.setattr(sys, "argv", ["line_tests.py", "--environments"])
-    assert line_tests.main() == 0
-    assert commands == [[sys.executable, str(ROOT / "scripts" / "test_env.py"), r.env.name] for r in runs]
